@@ -152,7 +152,7 @@ def test_loader_hunk_loads_dump_module_only_when_env_var_is_set(release, monkeyp
     source = model_file(release).read_text()
     begin = source.index("# >>> eagle3 dump hook: loader")
     loader = source[begin:source.index("# <<< eagle3 dump hook: loader")]
-    monkeypatch.delitem(sys.modules, "eagle3_sglang_dump", raising=False)
+    monkeypatch.setitem(sys.modules, "eagle3_sglang_dump", None)  # removed again at teardown
     monkeypatch.delenv(sglang_dump.ENV_DUMP_DIR, raising=False)
     namespace = {}
     exec(loader, namespace)
