@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Stage 03: the draft vocabulary (`d2t`/`t2d`) from supervised tokens of the train split.
+
+Reads `<workdir>/01c_merged/train.jsonl`; writes `<workdir>/03_vocab/vocab_mapping.safetensors`
+and `report.json` (coverage at 8K/16K/32K/64K and at the chosen size, top tokens).
+
+Tiny target (demo):
+    python 03_build_vocab_mapping.py --workdir runs/demo --target runs/demo/target \
+        --draft-vocab 256
+Real run:
+    python 03_build_vocab_mapping.py --workdir runs/kimi-k25 --target /models/Kimi-K2.5
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from eagle3.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.progress import format_summary, human_seconds, progress
+from eagle3.records import count_jsonl
+from eagle3.stage import atomic_write_bytes, atomic_write_json, open_stage, require_upstream
+from eagle3.target import load_tokenizer, read_target_info
+from eagle3.vocab import build_mapping, count_supervised, report, select_hot_ids
+
+STAGE = "03_vocab"
+UPSTREAM = "01c_merged"
+
+
+@dataclass
+class VocabConfig:
+    target: Path = arg(help="target model folder (config.json for the vocab size, tokenizer)")
+    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
+    draft_vocab: int = arg(32000, "draft vocabulary size (ids)")
+    allow_partial: bool = arg(False, "accept an incomplete 01c_merged folder")
+    force: bool = arg(False, "redo the stage even if it is complete")
+    log_level: str = arg("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab < 1:
+            raise ValueError("--draft-vocab must be >= 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(VocabConfig, argv, __doc__)
+    setup_logging(cfg.log_level)
+    require_upstream(cfg.workdir / UPSTREAM, cfg.allow_partial)
+    info = read_target_info(cfg.target)
+    stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
+    if stage is None:
+        return 0
+    t0 = time.time()
+    src = cfg.workdir / UPSTREAM / "train.jsonl"
+    stage.add_input(src)
+    bar = progress(total=count_jsonl(src), desc="03 count", unit="rec")
+    counts = count_supervised(src, info.vocab_size, bar)
+    bar.close()
+    hot = select_hot_ids(counts, cfg.draft_vocab)
+    mapping = build_mapping(hot, info.vocab_size)
+    tmp = stage.dir / "vocab_mapping.safetensors.tmp"
+    save_file(mapping, str(tmp))
+    atomic_write_bytes(stage.dir / "vocab_mapping.safetensors", tmp.read_bytes())
+    tmp.unlink()
+    rep = report(counts, hot, load_tokenizer(cfg.target))
+    atomic_write_json(stage.dir / "report.json", rep)
+    stage.finish(outputs={"draft_vocab": cfg.draft_vocab, "target_vocab": info.vocab_size,
+                          "coverage": rep["coverage"]})
+    rows = {"supervised tokens": rep["supervised_tokens"],
+            "distinct ids seen": rep["distinct_ids_seen"],
+            f"coverage at {cfg.draft_vocab}": f"{rep['coverage']:.4f}",
+            "coverage at 8K/16K/32K/64K": json.dumps(
+                {k: round(v, 4) for k, v in rep["coverage_at"].items()}),
+            "time": human_seconds(time.time() - t0)}
+    print(format_summary("03 vocab mapping", rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

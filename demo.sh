@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole pipeline on the embedded tiny target, on CPU, in a few minutes.
+# Every stage is the same script and code path as the real run; only the flags differ.
+# Usage: bash demo.sh [WORKDIR]   (default runs/demo; re-running resumes / skips finished stages)
+set -euo pipefail
+cd "$(dirname "$0")"
+W=${1:-runs/demo}
+T=$W/target
+export PYTHONUNBUFFERED=1
+
+python -m eagle3.tiny_target --out "$T"
+python 01_prepare_datasets.py --recipe datasets/demo.json --workdir "$W"
+python 01b_generate_synthetic.py --workdir "$W" --target "$T" --backend hf --max-new-tokens 48
+python datasets/merge_and_shuffle.py --workdir "$W" --eval-fraction 0.1
+python 02b_extract_hidden_states_sglang.py --workdir "$W" --target "$T" --backend hf
+python 03_build_vocab_mapping.py --workdir "$W" --target "$T" --draft-vocab 256
+python 04_train.py --workdir "$W" --target "$T" --epochs 4 --lr 1e-3 --num-workers 0 \
+    --eval-every 100 --log-every 50
+python 05_benchmark.py --workdir "$W" --target "$T" --backend hf --steps 3 7 \
+    --max-new-tokens 32 --num-prompts 8
+python -m eagle3.run_summary "$W"

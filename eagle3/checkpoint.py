@@ -1,0 +1,104 @@
+"""Training checkpoints: `step_{step:06d}/` folders, written under a temp name then renamed,
+valid only with their `COMPLETE` marker; the latest complete one is resumed from.
+
+A folder holds `state.pt` (draft weights without `_orig_mod.`/`module.` prefixes, optimizer,
+loop state, RNG states) and `config.json` (the resolved training config).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eagle3.stage import atomic_torch_save, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+# Fields whose change makes a checkpoint unusable (the architecture and the data it indexes).
+ARCH_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "draft_vocab_size", "vocab_size", "target_hidden_size",
+               "capture_layers")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed; the message says why and what to do."""
+
+
+def clean_state_dict(state: dict) -> dict:
+    """Strip wrapper prefixes (torch.compile `_orig_mod.`, DDP `module.`)."""
+    out = {}
+    for k, v in state.items():
+        for prefix in ("_orig_mod.", "module."):
+            while k.startswith(prefix):
+                k = k[len(prefix):]
+        out[k] = v
+    return out
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: Path, step: int, model_state: dict, optimizer_state: dict,
+                    loop_state: dict, config: dict, keep_latest: int) -> Path:
+    """Write `root/step_{step:06d}` atomically; keep only the `keep_latest` newest."""
+    root = Path(root)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    atomic_torch_save({"model": clean_state_dict(model_state), "optimizer": optimizer_state,
+                       "loop_state": loop_state, "rng": rng_state()}, tmp / "state.pt")
+    atomic_write_json(tmp / "config.json", config)
+    (tmp / MARKER).write_text(str(step))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in complete_steps(root)[:-keep_latest]:
+        shutil.rmtree(root / f"step_{old:06d}", ignore_errors=True)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of complete checkpoint folders, ascending."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / MARKER).exists())
+
+
+def load_latest(root: Path, config: dict) -> dict | None:
+    """The newest complete checkpoint's state, or None; refuses a changed architecture."""
+    steps = complete_steps(root)
+    if not steps:
+        return None
+    folder = Path(root) / f"step_{steps[-1]:06d}"
+    saved = json.loads((folder / "config.json").read_text())
+    changed = {k: (saved.get(k), config.get(k)) for k in ARCH_FIELDS
+               if saved.get(k) != config.get(k)}
+    if changed:
+        raise CheckpointError(f"{folder} was trained with other architecture settings "
+                              f"{changed} (saved, now): use the same flags or --force to restart")
+    # weights_only=False: the RNG states hold numpy objects; the file is our own checkpoint.
+    state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+    log.info("resuming from %s", folder)
+    return state

@@ -1,0 +1,161 @@
+"""The records that pass between stages (PIPELINE.md, "Records") and their JSONL files.
+
+JSONL files are written append-only: a process killed mid-write leaves at most one torn last
+line, which `read_jsonl` reports and `JsonlAppender` cuts off before appending again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+TOKENIZED_KEYS = (
+    "id",
+    "source",
+    "input_ids",
+    "loss_mask",
+    "seq_len",
+    "n_prompt_tokens",
+    "n_response_tokens",
+    "finish_reason",
+)
+
+
+class RecordError(ValueError):
+    """A record that breaks its contract; the message names the record and the field."""
+
+
+def read_jsonl(path: Path, *, drop_torn_tail: bool = True) -> Iterator[dict]:
+    """Yield the records of a JSONL file.
+
+    A last line without its newline that fails to parse is a torn write and is skipped (logged);
+    any other unparsable line raises RecordError naming the file and line number.
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):  # streams: merged files reach several GB
+            if not raw.strip():
+                continue
+            try:
+                yield json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                if not raw.endswith(b"\n") and drop_torn_tail:
+                    log.warning("%s: dropping torn last line %d (%d bytes)", path, n, len(raw))
+                    return
+                raise RecordError(f"{path}:{n}: not valid JSON ({e})") from e
+
+
+def count_jsonl(path: Path) -> int:
+    """Number of complete lines of a JSONL file."""
+    with Path(path).open("rb") as f:
+        return sum(1 for line in f if line.endswith(b"\n"))
+
+
+class JsonlAppender:
+    """Append-only JSONL writer that first cuts off a torn last line left by a killed run."""
+
+    def __init__(self, path: Path, fsync_every: int = 100):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _truncate_torn_tail(self.path)
+        self._f = self.path.open("ab")
+        self._fsync_every = fsync_every
+        self._n = 0
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+        self._n += 1
+        if self._n % self._fsync_every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self.flush()
+        self._f.close()
+
+    def __enter__(self) -> "JsonlAppender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _truncate_torn_tail(path: Path) -> None:
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1
+    log.warning("%s: cutting torn last line (%d bytes)", path, len(data) - keep)
+    with path.open("r+b") as f:
+        f.truncate(keep)
+
+
+@dataclass
+class TokenizedRecord:
+    """One training sample (01b output, merged files)."""
+
+    id: str
+    source: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    n_prompt_tokens: int
+    finish_reason: str
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "source": self.source,
+            "input_ids": self.input_ids,
+            "loss_mask": self.loss_mask,
+            "seq_len": len(self.input_ids),
+            "n_prompt_tokens": self.n_prompt_tokens,
+            "n_response_tokens": sum(self.loss_mask),
+            "finish_reason": self.finish_reason,
+        }
+
+
+def validate_tokenized(rec: dict) -> dict:
+    """Check a tokenized record's contract; returns it or raises RecordError naming it."""
+    rid = rec.get("id", "<no id>")
+    missing = [k for k in TOKENIZED_KEYS if k not in rec]
+    if missing:
+        raise RecordError(f"record {rid}: missing fields {missing}")
+    n = len(rec["input_ids"])
+    if not (n == len(rec["loss_mask"]) == rec["seq_len"]):
+        raise RecordError(
+            f"record {rid}: len(input_ids)={n}, len(loss_mask)={len(rec['loss_mask'])}, "
+            f"seq_len={rec['seq_len']} differ"
+        )
+    if any(m not in (0, 1) for m in rec["loss_mask"]):
+        raise RecordError(f"record {rid}: loss_mask holds values other than 0 and 1")
+    if sum(rec["loss_mask"]) == 0:
+        raise RecordError(f"record {rid}: no supervised token (loss_mask all 0)")
+    return rec
+
+
+def validate_conversation(rec: dict) -> dict:
+    """Check a conversation record (01 output); returns it or raises RecordError naming it."""
+    rid = rec.get("id")
+    if not rid or not isinstance(rid, str):
+        raise RecordError(f"record without a string id: {str(rec)[:80]}")
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RecordError(f"record {rid}: messages missing or empty")
+    for i, m in enumerate(msgs):
+        if m.get("role") not in ROLES:
+            raise RecordError(f"record {rid}: message {i} has unknown role {m.get('role')!r}")
+    if not any(m["role"] == "user" for m in msgs):
+        raise RecordError(f"record {rid}: no user message")
+    return rec

@@ -1,0 +1,123 @@
+"""The target model: its config, capture layers, and the few tensors the draft borrows from it.
+
+The embedding and `lm_head` are read straight from the target's safetensors files (through
+`model.safetensors.index.json` when sharded), one tensor at a time, so a 1 TB checkpoint costs
+only the bytes of those two tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBED_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight")
+LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+class TargetError(ValueError):
+    """The target folder lacks something the pipeline needs; the message says what."""
+
+
+@dataclass
+class TargetInfo:
+    """What the pipeline needs to know of a target, from its config.json."""
+
+    path: Path
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+
+def read_target_info(path: Path) -> TargetInfo:
+    """Read config.json (a multimodal wrapper's `text_config` is used when present)."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise TargetError(f"{cfg_path} not found: --target must be a Hugging Face model folder")
+    cfg = json.loads(cfg_path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    rope = cfg.get("rope_parameters") or {}
+    return TargetInfo(
+        path=Path(path),
+        hidden_size=cfg["hidden_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        vocab_size=cfg["vocab_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+    )
+
+
+def default_capture_layers(num_hidden_layers: int) -> list[int]:
+    """SGLang's default EAGLE-3 capture indices `[2, N//2, N-3]` ([2, 30, 58] for 61 layers).
+
+    Index i is the residual stream entering decoder layer i, i.e. HF `output_hidden_states[i]`.
+    """
+    layers = [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    if len(set(layers)) != 3 or layers != sorted(layers):
+        raise TargetError(f"a {num_hidden_layers}-layer target gives no 3 distinct capture layers")
+    return layers
+
+
+def load_target_tensor(path: Path, names: tuple[str, ...]) -> torch.Tensor:
+    """Load one tensor (first of `names` present) from the target's safetensors files."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {n: path / weight_map[n] for n in names if n in weight_map}
+    else:
+        single = path / "model.safetensors"
+        if not single.exists():
+            raise TargetError(f"{path} has neither model.safetensors nor its index")
+        with safe_open(single, "pt") as f:
+            files = {n: single for n in names if n in f.keys()}
+    if not files:
+        raise TargetError(f"{path}: none of the tensors {names} is in the checkpoint")
+    name, file = next(iter(files.items()))
+    with safe_open(file, "pt") as f:
+        tensor = f.get_tensor(name)
+    log.info("loaded %s %s from %s", name, tuple(tensor.shape), file.name)
+    return tensor
+
+
+def load_embedding(path: Path) -> torch.Tensor:
+    """The target's token embedding `[vocab, H]`."""
+    return load_target_tensor(path, EMBED_NAMES)
+
+
+def load_lm_head(path: Path) -> torch.Tensor:
+    """The target's output head `[vocab, H]` (the embedding when tied)."""
+    try:
+        return load_target_tensor(path, LM_HEAD_NAMES)
+    except TargetError:
+        log.warning("no lm_head in %s: using the tied embedding", path)
+        return load_embedding(path)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_hf_model(path: Path, dtype: str = "float32", device: str = "cpu"):
+    """The whole target through transformers (small targets, the demo, tests)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(device).eval()

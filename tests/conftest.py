@@ -1,0 +1,46 @@
+"""Shared fixtures: the tiny target (built once per session) and one demo run of the pipeline."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    from eagle3.tiny_target import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def target_model(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """The README's demo (demo.sh) run once into a temp work directory."""
+    workdir = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run(["bash", str(ROOT / "demo.sh"), str(workdir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"demo.sh failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    (workdir / "demo_stdout.txt").write_text(proc.stdout)
+    return workdir
