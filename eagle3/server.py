@@ -4,16 +4,24 @@ Shared by 01b (generation), 02b (hidden-state dump requests) and 05 (benchmarks)
 native `/generate` takes `{"input_ids", "rid", "sampling_params"}` and answers
 `{"text", "output_ids", "meta_info"}`; readiness is polled with `/model_info` (older releases:
 `/get_model_info`), never `/health`, which runs a real generation. Server flags come from
-`/server_info` (older: `/get_server_info`).
+`/server_info` (older: `/get_server_info`). OpenAI-compatible servers answer
+`/v1/chat/completions`.
 
 Retries: a request is retried with exponential backoff (plus jitter) on HTTP 5xx, 429, timeouts
 and dropped connections; other 4xx answers are not retried. After `max_retries` attempts the
 last error is raised as ServerError naming the URL, the request id and the cause.
+
+Several servers (or several SGLang routers) form a `ServerPool`: each request goes to the server
+with the fewest requests outstanding (`least_outstanding`, the default) or to the next one in turn
+(`round_robin`); a retry goes through the pool again, so it lands on another server when one is
+down. `generate` and `chat_completion` accept a URL or a pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -23,10 +31,22 @@ import aiohttp
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
+POOL_POLICIES = ("least_outstanding", "round_robin")
 
 
 class ServerError(RuntimeError):
     """A request that failed for good; the message names the server, request and cause."""
+
+
+class TransientError(ServerError):
+    """One attempt failed in a way worth retrying (5xx, 429, timeout, dropped connection)."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        # True when no connection could be opened at all: the server is down or restarting,
+        # which says nothing about this request.
+        self.unreachable = unreachable
+        self.server: str | None = None  # set by post_pool_once: which server failed
 
 
 @dataclass
@@ -36,6 +56,81 @@ class RetryPolicy:
     max_delay_s: float = 30.0
     timeout_s: float = 3600.0  # per request (long generations are legitimate)
 
+    def delay_s(self, attempt: int) -> float:
+        """Backoff before attempt `attempt` (1 = the first retry), jittered by 0.5x-1.5x."""
+        delay = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1))
+        return delay * (0.5 + random.random())
+
+
+class ServerPool:
+    """One or several servers serving the same model; picks one per request."""
+
+    def __init__(self, urls: list[str], policy: str = "least_outstanding"):
+        if not urls:
+            raise ValueError("a server pool needs at least one URL (--server-url)")
+        if policy not in POOL_POLICIES:
+            raise ValueError(f"unknown pool policy {policy!r}: use one of {POOL_POLICIES}")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.policy = policy
+        self.outstanding = {u: 0 for u in self.urls}
+        self.sent = {u: 0 for u in self.urls}  # requests sent per server (summary, tests)
+        self.down: set[str] = set()  # servers found unreachable, skipped until back up
+        self._turn = itertools.cycle(self.urls)
+
+    def acquire(self) -> str:
+        """The server for the next request; call `release` with it when the answer is in.
+
+        Servers marked down are skipped while any other is up.
+        """
+        up = [u for u in self.urls if u not in self.down] or self.urls
+        if self.policy == "round_robin":
+            url = next(u for u in self._turn if u in up)
+        else:  # ties go to the earliest URL: deterministic, and a single server is trivial
+            url = min(up, key=self.outstanding.__getitem__)
+        self.outstanding[url] += 1
+        self.sent[url] += 1
+        return url
+
+    def release(self, url: str) -> None:
+        self.outstanding[url] -= 1
+
+    def all_down(self) -> bool:
+        return len(self.down) == len(self.urls)
+
+
+def as_pool(server: "str | ServerPool") -> ServerPool:
+    return server if isinstance(server, ServerPool) else ServerPool([server])
+
+
+def make_session(max_connections: int, headers: dict | None = None) -> aiohttp.ClientSession:
+    """A client session allowing `max_connections` concurrent connections (aiohttp's default
+    of 100 would silently cap a concurrency of 200)."""
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections)
+    return aiohttp.ClientSession(connector=connector, headers=headers)
+
+
+async def post_once(session: aiohttp.ClientSession, url: str, payload: dict, timeout_s: float,
+                    what: str, headers: dict | None = None) -> dict:
+    """One POST attempt: the JSON answer, TransientError (retry) or ServerError (do not)."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.post(url, json=payload, timeout=timeout, headers=headers) as resp:
+            if resp.status in RETRY_STATUS:
+                raise TransientError(f"{url}: HTTP {resp.status} for {what}: "
+                                     f"{(await resp.text())[:200]}")
+            if resp.status != 200:
+                raise ServerError(f"{url}: HTTP {resp.status} for {what} (not retried): "
+                                  f"{(await resp.text())[:500]}")
+            return await resp.json(content_type=None)
+    except aiohttp.ClientConnectorError as e:  # connection refused / no route: server down
+        raise TransientError(f"{url}: cannot connect for {what}: {e}", unreachable=True) from e
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+        raise TransientError(f"{url}: connection dropped during {what}: {e!r}") from e
+    except asyncio.TimeoutError as e:
+        raise TransientError(f"{url}: no answer within {timeout_s:.0f}s for {what}") from e
+    except json.JSONDecodeError as e:  # a 200 with a cut body
+        raise TransientError(f"{url}: unparsable answer for {what}: {e}") from e
+
 
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict,
                     policy: RetryPolicy, what: str, headers: dict | None = None) -> dict:
@@ -43,42 +138,72 @@ async def post_json(session: aiohttp.ClientSession, url: str, payload: dict,
     last: Exception | None = None
     for attempt in range(policy.max_retries + 1):
         if attempt:
-            delay = min(policy.max_delay_s, policy.base_delay_s * 2 ** (attempt - 1))
-            await asyncio.sleep(delay * (0.5 + random.random()))
+            await asyncio.sleep(policy.delay_s(attempt))
         try:
-            timeout = aiohttp.ClientTimeout(total=policy.timeout_s)
-            async with session.post(url, json=payload, timeout=timeout, headers=headers) as resp:
-                if resp.status in RETRY_STATUS:
-                    last = ServerError(f"{url}: HTTP {resp.status} for {what}: "
-                                       f"{(await resp.text())[:200]}")
-                    continue
-                if resp.status != 200:
-                    raise ServerError(f"{url}: HTTP {resp.status} for {what} (not retried): "
-                                      f"{(await resp.text())[:500]}")
-                return await resp.json(content_type=None)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
-                asyncio.TimeoutError) as e:
+            return await post_once(session, url, payload, policy.timeout_s, what, headers)
+        except TransientError as e:
             last = e
-            log.debug("%s: attempt %d for %s failed: %r", url, attempt + 1, what, e)
-    raise ServerError(f"{url}: {what} failed after {policy.max_retries + 1} attempts: {last!r}")
+            log.debug("attempt %d for %s failed: %s", attempt + 1, what, e)
+    raise ServerError(f"{url}: {what} failed after {policy.max_retries + 1} attempts: {last}")
 
 
-async def generate(session: aiohttp.ClientSession, base_url: str, input_ids: list[int],
-                   rid: str, sampling_params: dict, policy: RetryPolicy) -> dict:
+async def post_pool_once(session: aiohttp.ClientSession, pool: ServerPool, path: str,
+                         payload: dict, timeout_s: float, what: str,
+                         headers: dict | None = None) -> dict:
+    """One attempt on the server the pool picks; a TransientError carries it as `.server`."""
+    url = pool.acquire()
+    try:
+        return await post_once(session, url + path, payload, timeout_s, what, headers)
+    except TransientError as e:
+        e.server = url
+        raise
+    finally:
+        pool.release(url)
+
+
+async def post_pool(session: aiohttp.ClientSession, pool: ServerPool, path: str, payload: dict,
+                    policy: RetryPolicy, what: str, headers: dict | None = None) -> dict:
+    """`post_json` over a pool: every attempt picks its server anew."""
+    last: Exception | None = None
+    for attempt in range(policy.max_retries + 1):
+        if attempt:
+            await asyncio.sleep(policy.delay_s(attempt))
+        try:
+            return await post_pool_once(session, pool, path, payload, policy.timeout_s, what,
+                                        headers)
+        except TransientError as e:
+            last = e
+            log.debug("attempt %d for %s failed: %s", attempt + 1, what, e)
+    raise ServerError(f"{what} failed after {policy.max_retries + 1} attempts: {last}")
+
+
+async def generate(session: aiohttp.ClientSession, base_url: "str | ServerPool",
+                   input_ids: list[int], rid: str, sampling_params: dict,
+                   policy: RetryPolicy) -> dict:
     """SGLang `/generate` with token ids in; returns `{"text", "output_ids", "meta_info"}`."""
     payload = {"input_ids": input_ids, "rid": rid, "sampling_params": sampling_params}
-    return await post_json(session, base_url.rstrip("/") + "/generate", payload, policy,
+    return await post_pool(session, as_pool(base_url), "/generate", payload, policy,
                            f"request {rid}")
 
 
+async def chat_completion(session: aiohttp.ClientSession, server: "str | ServerPool",
+                          payload: dict, policy: RetryPolicy, what: str,
+                          api_key: str | None = None) -> dict:
+    """OpenAI `/v1/chat/completions` (non-streaming); returns the answer as sent."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return await post_pool(session, as_pool(server), "/v1/chat/completions", payload, policy,
+                           what, headers)
+
+
 async def get_json(session: aiohttp.ClientSession, base_url: str, paths: tuple[str, ...],
-                   timeout_s: float = 30.0) -> dict:
+                   timeout_s: float = 30.0, headers: dict | None = None) -> dict:
     """GET the first of `paths` the server knows (newer name first)."""
     errors = []
     for path in paths:
         url = base_url.rstrip("/") + path
         try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                   headers=headers) as resp:
                 if resp.status == 200:
                     return await resp.json(content_type=None)
                 errors.append(f"{path}: HTTP {resp.status}")
@@ -93,15 +218,31 @@ async def get_server_info(session: aiohttp.ClientSession, base_url: str) -> dict
 
 
 async def wait_ready(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 1800.0,
-                     poll_s: float = 5.0) -> dict:
-    """Poll `/model_info` until the server answers; returns it. Never calls `/health`."""
+                     poll_s: float = 5.0,
+                     paths: tuple[str, ...] = ("/model_info", "/get_model_info"),
+                     headers: dict | None = None) -> dict:
+    """Poll `paths` (SGLang: `/model_info`) until the server answers; returns the answer.
+
+    Never calls `/health`, which on SGLang runs a real generation.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
         try:
-            return await get_json(session, base_url, ("/model_info", "/get_model_info"),
-                                  timeout_s=poll_s)
+            return await get_json(session, base_url, paths, timeout_s=poll_s, headers=headers)
         except ServerError as e:
             if loop.time() > deadline:
                 raise ServerError(f"{base_url} not ready after {timeout_s:.0f}s: {e}") from e
             await asyncio.sleep(poll_s)
+
+
+async def is_reachable(session: aiohttp.ClientSession, base_url: str, path: str,
+                       timeout_s: float = 10.0) -> bool:
+    """True when the server answers HTTP at all on `path` (any status): its process is up."""
+    try:
+        async with session.get(base_url.rstrip("/") + path,
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+            return True
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
