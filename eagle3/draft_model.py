@@ -1,21 +1,28 @@
 """The EAGLE-3 draft: one Llama-style layer, computing what SGLang's `LlamaForCausalLMEagle3`
 computes at serving time (sglang/srt/models/llama_eagle3.py), parameter names included.
 
-    h      = fc(cat(aux_low, aux_mid, aux_high))          # [T, 3*Ht] -> [T, H], once per step 0
-    x      = cat(input_layernorm(embed(token)), hidden_norm(h))   # [T, 2H]
-    a      = o_proj(attention(q/k/v_proj(x)))              # RoPE, neox style
-    n, r   = post_attention_layernorm(a + h), a + h        # fused add + norm
-    out    = mlp(n) + r                                    # pre-norm: next step's hidden
-    logits = lm_head(norm(out))                            # [T, draft_vocab]
+    h        = fc(cat(aux_low, aux_mid, aux_high))            # [T, 3*Ht] -> [T, H], step 0 only
+    x        = cat(input_layernorm(embed(token)), hidden_norm(h))   # [T, 2H]
+    a        = o_proj(attention(q/k/v_proj(x)))                # RoPE, neox style
+    n, r     = post_attention_layernorm(a, residual=h)         # fused add: r = a + h
+    n2, out  = norm(mlp(n), residual=r)                        # fused add: out = mlp(n) + r
+    logits   = lm_head(n2)                                     # [T, draft_vocab]
 
-Training-time test (TTT) unrolls this k steps: step j feeds `out` of step j-1 as the hidden and
-the token j positions further as the input, at RoPE position t + j. Step j's query at anchor t
-attends to step 0's keys at positions <= t (the draft's KV cache after extend) and to the keys of
-steps 1..j at the same anchor t (the draft tokens it proposed itself) — exactly what the draft
-sees when serving a chain.
+`out` (the pre-norm sum, rounded to the compute dtype) is the next draft step's hidden, as in
+SGLang, whose fused RMSNorm adds in float32, returns the sum cast back, and normalises the float32
+sum. Training-time test (TTT) unrolls k steps: step j reads the token j positions further, at RoPE
+position t + j, with step j-1's `out` as its hidden. Step j's query at anchor t attends to step
+0's keys at rows <= t of its own sequence (the draft's KV cache after extend) and to the keys of
+steps 1..j at the same anchor (the tokens it drafted itself) — what the draft sees serving a chain.
 
-Shapes: B batch, T positions, H draft hidden, Ht target hidden, V draft vocab, h heads,
-d head dim, S steps so far.
+Two attention implementations compute that softmax:
+- `naive`: materialised scores (any device; the reference, and serving through `StepCache`);
+- `flex`: `torch.nn.attention.flex_attention` over the keys of all steps so far concatenated, with
+  a block-sparse mask (causal step-0 blocks + one diagonal block per later step), built once per
+  batch (see `TTTMasks`). On CUDA it runs compiled (no score matrix in memory).
+
+Shapes: B batch, T positions, H draft hidden, Ht target hidden, V draft vocab, h heads, hkv kv
+heads, d head dim, S steps so far.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+FLEX_BLOCK = 128  # flex attention block size; packed rows are padded to a multiple of it
 
 
 @dataclass
@@ -50,17 +59,25 @@ class DraftConfig:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32, optionally fused with a residual add (SGLang `RMSNorm.forward`)."""
+    """RMSNorm in float32, optionally fused with a residual add (SGLang `RMSNorm.forward`).
+
+    With `residual`, returns (norm(x + residual), x + residual cast to x's dtype); the sum is
+    formed in float32 and the normalised output is computed from the float32 sum.
+    """
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        if residual is not None:
+            xf = xf + residual.float()
+            residual = xf.to(x.dtype)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (normed * self.weight.float()).to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -78,14 +95,130 @@ def apply_rope(x_BhTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tenso
     return x_BhTd * cos_BTd[:, None] + rotated * sin_BTd[:, None]
 
 
+# ---------------------------------------------------------------- attention implementations
+
+
 @dataclass
 class StepCache:
-    """Keys/values of step 0 (all positions) and of later steps (one row per anchor)."""
+    """Keys/values of step 0 (all positions) and of later steps (one row per query)."""
 
     k0: torch.Tensor | None = None  # [B, hkv, T0, d]
     v0: torch.Tensor | None = None
     ks: list = field(default_factory=list)  # per step >= 1: [B, hkv, Tq, d]
     vs: list = field(default_factory=list)
+
+
+def naive_ttt_attention(q_BhTd, cache: StepCache, anchors_T, doc_BT=None) -> torch.Tensor:
+    """Softmax over [step-0 keys at rows <= anchor, same sequence] + [each later step's key at
+    the anchor], with materialised scores. `doc_BT` (packed rows): sequence id per row."""
+    groups = q_BhTd.shape[1] // cache.k0.shape[1]
+    scale = 1.0 / math.sqrt(q_BhTd.shape[-1])
+    k0 = cache.k0.repeat_interleave(groups, dim=1)
+    v0 = cache.v0.repeat_interleave(groups, dim=1)
+    scores_ctx = torch.matmul(q_BhTd, k0.transpose(-1, -2)).float() * scale  # [B, h, Tq, T0]
+    key_rows = torch.arange(k0.shape[-2], device=q_BhTd.device)
+    visible = (key_rows[None, :] <= anchors_T[:, None])[None]  # [1, Tq, T0]
+    if doc_BT is not None:
+        visible = visible & (doc_BT[:, anchors_T][:, :, None] == doc_BT[:, None, :])
+    scores_ctx = scores_ctx.masked_fill(~visible[:, None], float("-inf"))
+    if not cache.ks:
+        probs = torch.softmax(scores_ctx, dim=-1).to(q_BhTd.dtype)
+        return torch.matmul(probs, v0)
+    ks = torch.stack([k.repeat_interleave(groups, dim=1) for k in cache.ks], dim=-2)  # [B,h,Tq,S,d]
+    vs = torch.stack([v.repeat_interleave(groups, dim=1) for v in cache.vs], dim=-2)
+    scores_diag = (q_BhTd.unsqueeze(-2) * ks).sum(-1).float() * scale  # [B, h, Tq, S]
+    probs = torch.softmax(torch.cat([scores_ctx, scores_diag], dim=-1), dim=-1).to(q_BhTd.dtype)
+    T0 = k0.shape[-2]
+    out = torch.matmul(probs[..., :T0], v0)
+    return out + (probs[..., T0:, None] * vs).sum(-2)
+
+
+class TTTMasks:
+    """Flex-attention block masks of one packed batch, one per TTT step.
+
+    Step s sees keys [step 0 | step 1 | ... | step s], each segment T rows long. Step 0's block
+    mask (causal within a sequence) is built once with `create_block_mask`; step s adds one
+    partial block per query block and later segment (the diagonal), so no mask is evaluated
+    over the whole `T x (s+1)T` grid. T must be a multiple of FLEX_BLOCK.
+    """
+
+    def __init__(self, doc_BT: torch.Tensor, compile_mask: bool = False):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        B, T = doc_BT.shape
+        if T % FLEX_BLOCK:
+            raise ValueError(f"flex attention needs rows padded to a multiple of {FLEX_BLOCK}, "
+                             f"got {T}")
+        self.T, self.doc = T, doc_BT
+        self._masks: dict[int, object] = {}
+        self._base = create_block_mask(self._mask_mod(0), B, None, T, T, device=doc_BT.device,
+                                       BLOCK_SIZE=FLEX_BLOCK, _compile=compile_mask)
+
+    def _mask_mod(self, steps: int):
+        doc, T = self.doc, self.T
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            segment = kv_idx // T
+            row = kv_idx - segment * T
+            context = (row <= q_idx) & (doc[b, row] == doc[b, q_idx])
+            return torch.where(segment == 0, context, row == q_idx)
+
+        return mask_mod
+
+    def for_step(self, s: int):
+        """The block mask of step s (queries T, keys (s+1)T)."""
+        if s == 0:
+            return self._base
+        if s not in self._masks:
+            self._masks[s] = self._extend(s)
+        return self._masks[s]
+
+    def all_steps(self, steps: int) -> list:
+        """The block masks of steps 0..steps-1."""
+        return [self.for_step(s) for s in range(steps)]
+
+    def _extend(self, s: int):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        base, nb = self._base, self.T // FLEX_BLOCK
+        B, Hm, Qb, _ = base.kv_indices.shape
+        dev = base.kv_indices.device
+        width = (s + 1) * nb
+        kv_indices = torch.zeros(B, Hm, Qb, width, dtype=torch.int32, device=dev)
+        kv_indices[..., :nb] = base.kv_indices[..., :nb]
+        # the diagonal block of query block qb in segment j is key block j * nb + qb
+        slots = base.kv_num_blocks[..., None].long() + torch.arange(s, device=dev)
+        diag = (torch.arange(1, s + 1, device=dev) * nb + torch.arange(Qb, device=dev)[:, None])
+        kv_indices.scatter_(-1, slots, diag.to(torch.int32).expand(B, Hm, Qb, s).contiguous())
+        full_indices = torch.zeros_like(kv_indices)
+        full_indices[..., :nb] = base.full_kv_indices[..., :nb]
+        return BlockMask.from_kv_blocks(
+            base.kv_num_blocks + s, kv_indices, base.full_kv_num_blocks, full_indices,
+            BLOCK_SIZE=FLEX_BLOCK, mask_mod=self._mask_mod(s), seq_lengths=(self.T, width * FLEX_BLOCK))
+
+
+_compiled_flex = None
+
+
+def flex_ttt_attention(q_BhTd, keys: list, values: list, block_mask) -> torch.Tensor:
+    """Attention of TTT step len(keys)-1 over the concatenated keys of all steps so far;
+    `block_mask` is `TTTMasks.for_step(len(keys) - 1)`."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if q_BhTd.is_cuda:  # eager flex is a reference (materialised scores); compiled is the kernel
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
+    v = values[0] if len(values) == 1 else torch.cat(values, dim=2)
+    return fn(q_BhTd, k, v, block_mask=block_mask,
+              scale=1.0 / math.sqrt(q_BhTd.shape[-1]),
+              enable_gqa=q_BhTd.shape[1] != k.shape[1])
+
+
+# ---------------------------------------------------------------- the layer
 
 
 class Attention(nn.Module):
@@ -98,43 +231,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, H, bias=False)
 
-    def forward(self, x_BT2H, positions_BT, cache: StepCache, anchors_T: torch.Tensor):
-        """Attention of one TTT step; fills `cache`. `anchors_T[i]`: step-0 row of query i."""
+    def qkv(self, x_BT2H, positions_BT):
+        """q `[B, h, T, d]`, k and v `[B, hkv, T, d]`, RoPE applied at `positions_BT`."""
         cfg = self.cfg
         B, T, _ = x_BT2H.shape
         q = self.q_proj(x_BT2H).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(x_BT2H).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x_BT2H).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache.k0 is None:
-            cache.k0, cache.v0 = k, v
-        else:
-            cache.ks.append(k)
-            cache.vs.append(v)
-        out = _ttt_attention(q, cache, anchors_T, cfg.num_attention_heads // cfg.num_key_value_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-
-def _ttt_attention(q_BhTd, cache: StepCache, anchors_T, groups: int) -> torch.Tensor:
-    """Softmax over [step-0 keys at rows <= anchor] + [each later step's key at the anchor]."""
-    scale = 1.0 / math.sqrt(q_BhTd.shape[-1])
-    k0 = cache.k0.repeat_interleave(groups, dim=1)
-    v0 = cache.v0.repeat_interleave(groups, dim=1)
-    scores_ctx = torch.matmul(q_BhTd, k0.transpose(-1, -2)).float() * scale  # [B, h, Tq, T0]
-    key_rows = torch.arange(k0.shape[-2], device=q_BhTd.device)
-    visible = key_rows[None, :] <= anchors_T[:, None]  # [Tq, T0]
-    scores_ctx = scores_ctx.masked_fill(~visible, float("-inf"))
-    if not cache.ks:
-        probs = torch.softmax(scores_ctx, dim=-1).to(q_BhTd.dtype)
-        return torch.matmul(probs, v0)
-    ks = torch.stack([k.repeat_interleave(groups, dim=1) for k in cache.ks], dim=-2)  # [B,h,Tq,S,d]
-    vs = torch.stack([v.repeat_interleave(groups, dim=1) for v in cache.vs], dim=-2)
-    scores_diag = (q_BhTd.unsqueeze(-2) * ks).sum(-1).float() * scale  # [B, h, Tq, S]
-    probs = torch.softmax(torch.cat([scores_ctx, scores_diag], dim=-1), dim=-1).to(q_BhTd.dtype)
-    T0 = k0.shape[-2]
-    out = torch.matmul(probs[..., :T0], v0)
-    return out + (probs[..., T0:, None] * vs).sum(-2)
+    def out(self, attn_BhTd):
+        B, _, T, _ = attn_BhTd.shape
+        return self.o_proj(attn_BhTd.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -156,14 +265,6 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-
-    def forward(self, embeds_BTH, hidden_BTH, positions_BT, cache, anchors_T):
-        """Returns the pre-norm output `[B, T, H]` (the next step's hidden)."""
-        residual = hidden_BTH
-        x = torch.cat([self.input_layernorm(embeds_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
-        attn = self.self_attn(x, positions_BT, cache, anchors_T)
-        residual = attn + residual
-        return self.mlp(self.post_attention_layernorm(residual)) + residual
 
 
 class Eagle3Draft(nn.Module):
@@ -188,17 +289,52 @@ class Eagle3Draft(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
-    def step(self, embeds_BTH, hidden_BTH, positions_BT, cache: StepCache,
-             anchors_T: torch.Tensor | None = None):
-        """One TTT step: (draft logits `[B, T, V]`, pre-norm hidden `[B, T, H]`).
+    def layer(self, embeds_BTH, hidden_BTH, positions_BT, attend):
+        """One pass of the layer: (normed output `[B, T, H]`, pre-norm sum = next hidden).
 
-        `hidden_BTH` is `fc(aux)` for step 0 and the previous step's output after. `anchors_T`
-        maps each query row to its step-0 row (default: row i -> i, as in training).
+        `attend(q, k, v)` stores this step's keys/values and returns the attention `[B,h,T,d]`.
+        """
+        mid = self.midlayer
+        x = torch.cat([mid.input_layernorm(embeds_BTH), mid.hidden_norm(hidden_BTH)], dim=-1)
+        q, k, v = mid.self_attn.qkv(x, positions_BT)
+        attn = mid.self_attn.out(attend(q, k, v))
+        normed, residual = mid.post_attention_layernorm(attn, hidden_BTH)
+        return self.norm(mid.mlp(normed), residual)
+
+    def step(self, embeds_BTH, hidden_BTH, positions_BT, cache: StepCache,
+             anchors_T: torch.Tensor | None = None, doc_BT: torch.Tensor | None = None):
+        """One draft step with the naive attention: (logits `[B, T, V]`, next hidden `[B,T,H]`).
+
+        `hidden_BTH` is `fc(aux)` for step 0 and the previous step's output after. The first
+        call fills the step-0 cache (the draft extend); later calls are decode steps whose query
+        row i belongs to step-0 row `anchors_T[i]` (default: row i -> i, as in training).
         """
         if anchors_T is None:
             anchors_T = torch.arange(embeds_BTH.shape[1], device=embeds_BTH.device)
-        out = self.midlayer(embeds_BTH, hidden_BTH, positions_BT, cache, anchors_T)
-        return self.lm_head(self.norm(out)), out
+
+        def attend(q, k, v):
+            if cache.k0 is None:
+                cache.k0, cache.v0 = k, v
+            else:
+                cache.ks.append(k)
+                cache.vs.append(v)
+            return naive_ttt_attention(q, cache, anchors_T, doc_BT)
+
+        normed, hidden = self.layer(embeds_BTH, hidden_BTH, positions_BT, attend)
+        return self.lm_head(normed), hidden
+
+    def flex_step(self, embeds_BTH, hidden_BTH, positions_BT, keys: list, values: list,
+                  block_mask):
+        """One TTT step with flex attention (training): (logits, next hidden). `keys`/`values`
+        hold the earlier steps' and receive this step's; `block_mask` is this step's mask."""
+
+        def attend(q, k, v):
+            keys.append(k)
+            values.append(v)
+            return flex_ttt_attention(q, keys, values, block_mask)
+
+        normed, hidden = self.layer(embeds_BTH, hidden_BTH, positions_BT, attend)
+        return self.lm_head(normed), hidden
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids (`id + d2t[id]`)."""
