@@ -77,6 +77,8 @@ class GenerateConfig:
                                              "runs in the long-context pass")
     max_attempts: int = arg(6, "attempts per record before it goes to failures.jsonl")
     request_timeout_s: float = arg(3600.0, "per-request timeout, seconds")
+    retry_delay_s: float = arg(1.0, "first retry backoff, seconds (doubles per attempt, "
+                                    "capped at 30s, jittered)")
     server_down_timeout_s: float = arg(1800.0, "stop when no server answers for this long, "
                                                "seconds (also the wait for readiness at start)")
     poll_s: float = arg(5.0, "how often a down or starting server is polled, seconds")
@@ -114,7 +116,7 @@ def build_generator(cfg: GenerateConfig, renderer: ChatRenderer, tokenizer,
         model = load_hf_model(cfg.target, cfg.dtype, cfg.device)
         return HFGenerator(model, [renderer.end_of_turn_id], tokenizer.pad_token_id)
     pool = ServerPool(cfg.server_url, cfg.pool_policy)
-    policy = RetryPolicy(timeout_s=cfg.request_timeout_s)
+    policy = RetryPolicy(base_delay_s=cfg.retry_delay_s, timeout_s=cfg.request_timeout_s)
     if cfg.backend == "sglang":
         backend = SGLangBackend(pool, renderer.end_of_turn_id, policy, cfg.temperature)
     else:

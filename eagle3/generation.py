@@ -131,11 +131,12 @@ class RecordSink:
             self.counts["dropped_length"] += 1
         return kept
 
-    def fail(self, record_id: str, reason: str, attempts: int) -> None:
-        """A record that could not be generated; re-running the stage tries it again."""
-        self.failures.write({"id": record_id, "reason": reason, "attempts": attempts})
+    def fail(self, record_id: str, kind: str, reason: str, attempts: int) -> None:
+        """A record that could not be generated (`kind`: a short class of `reason`, for the
+        summary); re-running the stage tries it again."""
+        self.failures.write({"id": record_id, "kind": kind, "reason": reason,
+                             "attempts": attempts})
         self.counts["failed"] += 1
-        kind = reason.split(":")[0][:80]
         self.failure_reasons[kind] = self.failure_reasons.get(kind, 0) + 1
         log.debug("record %s failed after %d attempts: %s", record_id, attempts, reason)
 

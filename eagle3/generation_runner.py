@@ -209,12 +209,15 @@ class GenerationRun:
                     continue
                 attempt += 1
                 if attempt >= self.cfg.max_attempts:
-                    self.sink.fail(job.id, f"failed after {attempt} attempts: {e}", attempt)
+                    self.sink.fail(job.id, f"gave up after {attempt} attempts", str(e), attempt)
                     return
                 self.counts["retries"] += 1
                 await asyncio.sleep(self.policy.delay_s(attempt))
-            except (RecordFailure, ServerError) as e:  # not retried: this answer is final
-                self.sink.fail(job.id, str(e), attempt + 1)
+            except RecordFailure as e:  # not retried: this answer is final
+                self.sink.fail(job.id, str(e).split(":")[0], str(e), attempt + 1)
+                return
+            except ServerError as e:  # a 4xx: the server refuses this request
+                self.sink.fail(job.id, "refused by the server", str(e), attempt + 1)
                 return
 
     def _on_signal(self, signum: int) -> None:
