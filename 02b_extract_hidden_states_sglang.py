@@ -3,27 +3,41 @@
 
 Reads `<workdir>/01c_merged/{train,eval}.jsonl`; writes
 `<workdir>/02b_hidden_states/<split>/shard_NNNNN/data_<idx>.pt` (PIPELINE.md layout): the aux
-states at the capture layers ([2, N//2, N-3] by default; [2, 30, 58] for Kimi-K2.5) and the final
-post-norm state. Resumes by file; each file is written atomically.
+states at the capture layers ([2, N//2, N-3]; [2, 30, 58] for Kimi-K2.5) and the final
+post-norm state, bf16 or fp8 (`--dtype fp8`: e4m3 aux states with a per-token scale).
+
+Backends: `sglang` (default) sends every sample to a patched SGLang server (see
+`patches/README.md`; `eagle3/extract_sglang.py` for what is checked) and converts the dumps it
+writes; `hf` runs the target in-process with transformers (small targets, the demo, tests).
+Before the first request it checks the server's flags and that the disk holds the estimated
+output. Re-running resumes by record id; records that failed every attempt are listed in
+`<split>/failures.jsonl`, retried by a re-run, and keep the stage incomplete unless
+`--accept-failures`.
 
 Tiny target (demo):
-    python 02b_extract_hidden_states_sglang.py --workdir runs/demo --target runs/demo/target \
+    python 02b_extract_hidden_states_sglang.py --workdir runs/demo --target runs/demo/target \\
         --backend hf
-Real run: see train_plan_v4.md (patched SGLang server, --backend sglang).
+Real run (server started as in train_plan_v4.md, EAGLE3_DUMP_DIR=/dev/shm/eagle3-dump):
+    python 02b_extract_hidden_states_sglang.py --workdir runs/kimi-k25 \\
+        --target /models/Kimi-K2.5 --server-url http://127.0.0.1:30000 \\
+        --dump-dir /dev/shm/eagle3-dump
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.cli import arg, config_dict, parse_config, setup_logging
-from eagle3.extract import extract_split
-from eagle3.hidden_states import DTYPES
-from eagle3.progress import format_summary, human_bytes, human_seconds, progress
+from eagle3.extract import SplitWriter, check_output_disk, extract_hf, make_verifier, summary_rows
+from eagle3.extract_sglang import Expected, SglangOptions, extract_sglang
+from eagle3.hidden_states import DTYPES, bytes_per_token
+from eagle3.progress import format_summary
 from eagle3.records import read_jsonl
+from eagle3.sglang_dump import DEFAULT_RID_PREFIX
 from eagle3.stage import open_stage, require_upstream
 from eagle3.target import default_capture_layers, load_hf_model, read_target_info
 
@@ -33,20 +47,57 @@ UPSTREAM = "01c_merged"
 
 @dataclass
 class ExtractConfig:
-    target: Path = arg(help="target model folder (config.json; weights for --backend hf)")
+    target: Path = arg(help="target model folder (config.json; weights for --backend hf and "
+                            "--verify-against-hf)")
     workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
-    backend: str = arg("hf", "hf: in-process transformers target", choices=["hf"])
+    backend: str = arg("sglang", "sglang: a patched SGLang dump server; hf: in-process "
+                                 "transformers target", choices=["sglang", "hf"])
     capture_layers: list[int] = arg([], "capture indices (residual entering layer i); "
                                         "empty = SGLang's default [2, N//2, N-3]")
     dtype: str = arg("bf16", "storage of the aux states: bf16 or fp8 (e4m3 + per-token scale)",
                      choices=list(DTYPES))
     splits: list[str] = arg(["train", "eval"], "merged splits to extract")
-    max_batch_tokens: int = arg(16384, "hf backend: padded tokens per forward pass")
-    model_dtype: str = arg("float32", "hf backend: dtype the target runs in")
-    device: str = arg("cpu", "hf backend: torch device")
+    disk_margin: float = arg(0.1, "free disk required beyond the estimate (fraction)")
+    accept_failures: bool = arg(False, "complete the stage even if records failed every attempt")
+    server_url: str = arg("http://127.0.0.1:30000", "sglang: the dump server")
+    dump_dir: Path | None = arg(None, "sglang: the server's EAGLE3_DUMP_DIR (same machine)")
+    rid_prefix: str = arg(DEFAULT_RID_PREFIX, "sglang: the server's EAGLE3_DUMP_RID_PREFIX")
+    concurrency: int = arg(0, "sglang: requests in flight (0 = auto, ~4 prefill batches)")
+    workers: int = arg(4, "sglang: threads converting dumps into files")
+    max_attempts: int = arg(3, "sglang: attempts per record before it counts as failed")
+    max_failures: int = arg(100, "sglang: stop when more records failed (-1 = never)")
+    dump_wait_s: float = arg(30.0, "sglang: seconds a dump file may lag behind its answer")
+    server_wait_s: float = arg(1800.0, "sglang: seconds to wait for a server that went down")
+    verify_against_hf: int = arg(0, "sglang: compare the first N samples with the target run "
+                                    "in transformers (0 = off)")
+    verify_tolerance: float = arg(0.05, "sglang: max relative L2 error in that comparison")
+    max_batch_tokens: int = arg(16384, "hf: padded tokens per forward pass")
+    max_batch_size: int = arg(64, "hf: records per forward pass (1 = each record alone)")
+    model_dtype: str = arg("float32", "hf: dtype the target runs in")
+    device: str = arg("cpu", "hf: torch device")
     allow_partial: bool = arg(False, "accept an incomplete 01c_merged folder")
     force: bool = arg(False, "redo the stage even if it is complete")
     log_level: str = arg("INFO", "logging level")
+
+    def __post_init__(self):
+        if self.backend == "sglang" and self.dump_dir is None:
+            raise ValueError("--backend sglang needs --dump-dir: the EAGLE3_DUMP_DIR the patched "
+                             "server was started with")
+        if not self.rid_prefix:
+            raise ValueError("--rid-prefix must not be empty (it keeps other traffic out of "
+                             "the dump); use the server's EAGLE3_DUMP_RID_PREFIX")
+        if min(self.workers, self.max_attempts, self.max_batch_size) < 1:
+            raise ValueError("--workers, --max-attempts and --max-batch-size must be >= 1")
+        if self.concurrency < 0 or self.verify_against_hf < 0 or self.disk_margin < 0:
+            raise ValueError("--concurrency, --verify-against-hf and --disk-margin must be >= 0")
+
+
+def sglang_options(cfg: ExtractConfig) -> SglangOptions:
+    return SglangOptions(
+        server_url=cfg.server_url, dump_dir=cfg.dump_dir, rid_prefix=cfg.rid_prefix,
+        concurrency=cfg.concurrency, workers=cfg.workers, max_attempts=cfg.max_attempts,
+        max_failures=cfg.max_failures, dump_wait_s=cfg.dump_wait_s,
+        server_wait_s=cfg.server_wait_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,30 +109,38 @@ def main(argv: list[str] | None = None) -> int:
     stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
     if stage is None:
         return 0
-    t0 = time.time()
-    model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device)
-    outputs = {}
+    t0, writers = time.time(), {}
     for split in cfg.splits:
         src = cfg.workdir / UPSTREAM / f"{split}.jsonl"
         stage.add_input(src)
-        records = list(read_jsonl(src))
-        bar = progress(total=len(records), desc=f"02b {split}", unit="sample")
-        counts = extract_split(model, records, stage.dir / split, layers, cfg.dtype,
-                               cfg.max_batch_tokens, bar)
-        bar.close()
-        outputs[split] = {"samples": len(records), **counts.__dict__}
-    manifest = stage.finish(outputs=outputs, extra={"capture_layers": layers,
-                                                    "hidden_size": info.hidden_size})
-    tokens = sum(o["tokens"] for o in outputs.values())
-    written = sum(o["bytes"] for o in outputs.values())
-    rows = {f"{s} samples (written / resumed)": f"{o['samples']} ({o['written']} / "
-                                                f"{o['skipped_existing']})"
-            for s, o in outputs.items()}
-    rows.update(capture_layers=str(layers), dtype=cfg.dtype,
-                bytes_per_token=f"{written / max(tokens, 1):,.0f}",
-                time=human_seconds(time.time() - t0), disk=human_bytes(manifest["disk_bytes"]))
+        writers[split] = SplitWriter(stage.dir / split, list(read_jsonl(src)))
+    check_output_disk(stage.dir, list(writers.values()), info.hidden_size, cfg.dtype,
+                      cfg.disk_margin)
+    extra = {"capture_layers": layers, "hidden_size": info.hidden_size, "backend": cfg.backend,
+             "dtype": cfg.dtype, "bytes_per_token": bytes_per_token(info.hidden_size, cfg.dtype)}
+    if cfg.backend == "hf":
+        model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device)
+        outputs = extract_hf(model, writers, layers, cfg.dtype, cfg.max_batch_tokens,
+                             cfg.max_batch_size)
+    else:
+        verify = None
+        if cfg.verify_against_hf:
+            model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device)
+            verify = make_verifier(model, layers, cfg.verify_tolerance)
+        expected = Expected(info.hidden_size, tuple(layers), cfg.target)
+        outputs, more = asyncio.run(extract_sglang(sglang_options(cfg), expected, cfg.dtype,
+                                                   writers, cfg.verify_against_hf, verify))
+        extra.update(more)
+    failed = sum(o["failed"] for o in outputs.values())
+    rows = summary_rows(outputs, time.time() - t0)
+    if failed and not cfg.accept_failures:
+        rows["INCOMPLETE"] = (f"{failed} records failed (see <split>/failures.jsonl): re-run "
+                              "this command to retry them, or add --accept-failures")
+    else:
+        manifest = stage.finish(outputs=outputs, extra=extra)
+        rows["manifest"] = f"{stage.dir / 'manifest.json'} ({manifest['disk_bytes']:,} B)"
     print(format_summary("02b extract hidden states", rows))
-    return 0
+    return 2 if failed and not cfg.accept_failures else 0
 
 
 if __name__ == "__main__":

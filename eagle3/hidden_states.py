@@ -2,17 +2,25 @@
 
 A file holds `input_ids [T]`, `loss_mask [T]`, `hidden_states`: the three aux captures then the
 final post-norm state, each `[T, H]`, and `meta`. With fp8 storage the aux tensors are float8
-e4m3 with a per-token float32 scale in `hidden_states_scale` (value = fp8.float() * scale).
+e4m3 with a per-token float32 scale in `hidden_states_scale` (value = fp8.float() * scale); the
+final state stays bf16 (it is the lm_head's input, the training target). Both backends of stage
+02b quantize from the bf16 value, so a file does not depend on which backend wrote it.
 
 Capture index i is the residual stream entering decoder layer i: transformers'
 `output_hidden_states[i]` (index 0 is the embedding output). The final state is the one the
 lm_head sees, after the model's final norm: `output_hidden_states[-1]` in transformers, which is
 checked against `model.model.norm` in the tests.
+
+Size on disk, per token (H = hidden size): bf16 `8H + 16` bytes (four bf16 rows, two int64
+ids), fp8 `5H + 28` (three e4m3 rows + three float32 scales, one bf16 row, two int64), plus
+under FILE_OVERHEAD_BYTES per file (torch.save's zip records). Kimi-K2.5 (H = 7168): 57,360 and
+35,868 bytes a token.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -22,6 +30,7 @@ log = logging.getLogger(__name__)
 FILES_PER_SHARD = 1000
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 DTYPES = ("bf16", "fp8")
+FILE_OVERHEAD_BYTES = 4096  # torch.save zip headers, pickle and meta; measured 2.8-3.6 KB
 
 
 class HiddenStateError(ValueError):
@@ -33,6 +42,25 @@ def file_path(root: Path, idx: int) -> Path:
     return Path(root) / f"shard_{idx // FILES_PER_SHARD:05d}" / f"data_{idx}.pt"
 
 
+def file_index(path: Path) -> int:
+    """The record index of `data_<idx>.pt`."""
+    return int(Path(path).stem.split("_")[1])
+
+
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Stored bytes per token of a file (see the module docstring), without the file overhead."""
+    if dtype == "bf16":
+        return 8 * hidden_size + 16
+    if dtype == "fp8":
+        return 5 * hidden_size + 28
+    raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
+
+
+def estimate_bytes(num_tokens: int, num_files: int, hidden_size: int, dtype: str) -> int:
+    """Upper estimate of the bytes `num_files` files holding `num_tokens` tokens take."""
+    return num_tokens * bytes_per_token(hidden_size, dtype) + num_files * FILE_OVERHEAD_BYTES
+
+
 def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token scaled float8 e4m3: returns (fp8 [T, H], float32 scale [T])."""
     x = x_TH.float()
@@ -40,12 +68,32 @@ def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale_T[:, None]).to(torch.float8_e4m3fn), scale_T
 
 
+def _owned_bf16(x_TH: torch.Tensor) -> torch.Tensor:
+    """`x` in bf16 with row-major strides, in a storage of its own. torch.save writes a
+    tensor's whole storage (a row slice would drag its batch into every file) and its strides
+    (a `[1, H]` column slice counts as contiguous but keeps the stride of its parent)."""
+    x = x_TH.to(torch.bfloat16)
+    if (x.stride() != torch.empty(x.shape, device="meta").stride()
+            or x.untyped_storage().nbytes() != x.numel() * x.element_size()):
+        x = torch.empty(x.shape, dtype=torch.bfloat16).copy_(x)
+    return x
+
+
+def stored_value(x_TH: torch.Tensor, dtype: str) -> torch.Tensor:
+    """What an aux tensor `[T, H]` reads back as (float32) after storage in `dtype`."""
+    x = x_TH.to(torch.bfloat16)
+    if dtype == "fp8":
+        q, scale_T = quantize_fp8(x)
+        return q.float() * scale_T[:, None]
+    return x.float()
+
+
 def pack(input_ids, loss_mask, aux: list[torch.Tensor], final: torch.Tensor, meta: dict,
          dtype: str = "bf16") -> dict:
     """The dict stored in one file; `aux` are the three captures `[T, H]`, `final` `[T, H]`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
-    hidden = [t.to(torch.bfloat16).contiguous() for t in aux] + [final.to(torch.bfloat16)]
+    hidden = [_owned_bf16(t) for t in aux] + [_owned_bf16(final)]
     data = {
         "input_ids": torch.as_tensor(input_ids, dtype=torch.int64),
         "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64),
@@ -54,8 +102,8 @@ def pack(input_ids, loss_mask, aux: list[torch.Tensor], final: torch.Tensor, met
     }
     if dtype == "fp8":
         scales = []
-        for i in range(len(aux)):
-            hidden[i], s = quantize_fp8(aux[i])
+        for i in range(len(aux)):  # from the bf16 value: the same bytes whatever the source
+            hidden[i], s = quantize_fp8(hidden[i])
             scales.append(s)
         data["hidden_states_scale"] = scales + [None]
     return data
@@ -71,8 +119,39 @@ def unpack(data: dict, dtype: torch.dtype = torch.bfloat16) -> tuple[list[torch.
     return out[:3], out[3]
 
 
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load(path: Path, mmap: bool = False) -> dict:
+    """Load a file safely (`weights_only`); `mmap=True` reads tensors lazily (cheap checks)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def save(data: dict, path: Path) -> int:
+    """Write a file atomically and durably (temp file, fsync, rename); returns its size.
+
+    torch.save goes straight to the temp file (no in-memory copy of a file that can reach
+    470 MB); a killed writer leaves only a `.data_*.tmp` file, which resume deletes.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(data):x}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def remove_temp_files(root: Path) -> int:
+    """Delete temp files a killed writer left in the shards of `root`; returns how many."""
+    stale = list(Path(root).glob("shard_*/.data_*.tmp"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return len(stale)
 
 
 def validate(data: dict, expected_hidden: int, path: Path | str = "<memory>") -> None:
