@@ -406,8 +406,10 @@ class _Failures:
         """Keep only records still without a file (a re-run may have fixed earlier ones)."""
         for idx in [i for i in self.entries if i in writer.done]:
             del self.entries[idx]
-        if self.entries or self.path.exists():
+        if self.entries:
             self._write()
+        else:
+            self.path.unlink(missing_ok=True)
         if self.entries:
             log.error("%d records of %s failed; they are listed in %s and retried by a re-run",
                       len(self.entries), writer.root.name, self.path)
