@@ -78,3 +78,36 @@ def test_validate_names_the_file_when_aux_states_are_concatenated():
         assert "data_7.pt" in str(e) and "4" in str(e)
     else:
         raise AssertionError("validate accepted a 2-tensor file")
+
+
+def test_estimate_bytes_bounds_real_file_sizes_when_saved(tmp_path):
+    for dtype in hs.DTYPES:
+        for T, H in ((1, 64), (57, 64), (300, 512)):
+            aux = [torch.randn(T, H) for _ in range(3)]
+            data = hs.pack(list(range(T)), [1] * T, aux, torch.randn(T, H),
+                           {"id": "sharegpt/" + "x" * 40, "capture_layers": [2, 30, 58],
+                            "final": "post_norm", "source": "sharegpt"}, dtype)
+            size = hs.save(data, tmp_path / f"{dtype}_{T}_{H}.pt")
+            estimate = hs.estimate_bytes(T, 1, H, dtype)
+            assert estimate - hs.FILE_OVERHEAD_BYTES < size <= estimate, (dtype, T, H, size)
+    assert hs.bytes_per_token(7168, "bf16") == 57_360 and hs.bytes_per_token(7168, "fp8") == 35_868
+
+
+def test_pack_writes_same_bytes_when_aux_is_a_strided_view_or_fp32(tmp_path):
+    torch.manual_seed(0)
+    packed_TK = torch.randn(1, 3 * 16).to(torch.bfloat16)  # a one-token dump: [T, 3H] in bf16
+    views = list(packed_TK.split(16, dim=-1))  # [1, H] views that count as contiguous
+    copies = [v.float().clone() for v in views]
+    final = torch.randn(1, 16)
+    for dtype in hs.DTYPES:
+        a = hs.save(hs.pack([7], [1], views, final, {}, dtype), tmp_path / "a.pt")
+        b = hs.save(hs.pack([7], [1], copies, final, {}, dtype), tmp_path / "b.pt")
+        assert a == b and (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+
+
+def test_stored_value_equals_unpacked_file_when_dtype_is_fp8():
+    x = torch.randn(9, 32) * 5
+    data = hs.pack([0] * 9, [0] * 9, [x, x, x], x, {}, "fp8")
+    aux, _ = hs.unpack(data, torch.float32)
+    assert torch.equal(aux[0], hs.stored_value(x, "fp8"))
+    assert torch.equal(hs.stored_value(x, "bf16"), x.to(torch.bfloat16).float())
