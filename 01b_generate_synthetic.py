@@ -46,7 +46,7 @@ from eagle3.generation_backends import OpenAIBackend, SGLangBackend
 from eagle3.generation_runner import Interrupted, RunnerConfig, connect, run_remote
 from eagle3.progress import format_summary, human_bytes, human_seconds, progress
 from eagle3.records import JsonlAppender, read_jsonl
-from eagle3.server import RetryPolicy, ServerPool
+from eagle3.server import RetryPolicy, ServerError, ServerPool
 from eagle3.stage import Quarantine, atomic_write_json, open_stage, require_upstream
 from eagle3.target import load_hf_model, load_tokenizer
 
@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"01b interrupted: {e}", file=sys.stderr)
         return 128 + e.signum
+    except ServerError as e:  # every server down for too long: what was written stays
+        print(f"01b stopped: {e}", file=sys.stderr)
+        return 1
     failed = {n: c["failed"] for n, c in outputs.items()
               if c.get("failed", 0) > cfg.max_failure_fraction * max(c.get("jobs", 0), 1)}
     if failed:

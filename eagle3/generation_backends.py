@@ -56,7 +56,7 @@ class SGLangBackend:
 
     def payload(self, job: GenerationJob, attempt: int) -> dict:
         rid = job.id if attempt == 0 else f"{job.id}~retry{attempt}"
-        return {"input_ids": job.prompt_ids, "rid": rid,
+        return {"input_ids": job.prompt_ids.tolist(), "rid": rid,
                 "sampling_params": {"max_new_tokens": job.max_new_tokens,
                                     "temperature": self.temperature,
                                     "stop_token_ids": [self.end_of_turn_id]}}
@@ -167,7 +167,7 @@ class OpenAIBackend:
                                             add_generation_prompt=False)
         except Exception as e:  # jinja errors on odd replies (e.g. a tool call without name)
             raise RecordFailure(f"template cannot render the reply: {e}") from e
-        prompt = job.prompt_ids
+        prompt = job.prompt_ids.tolist()
         if full[: len(prompt)] != prompt:
             raise RecordFailure("re-rendered conversation does not begin with the serving "
                                 "prompt: the template renders this history differently")

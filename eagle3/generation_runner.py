@@ -126,6 +126,7 @@ class GenerationRun:
         self.signum: int | None = None
         self.fatal: BaseException | None = None
         self.inflight: dict[str, GenerationJob] = {}
+        self.workers: list[asyncio.Task] = []
         self._aborts: list[asyncio.Task] = []
         self.counts = {"requests": 0, "retries": 0, "abandoned": 0, "max_inflight": 0}
 

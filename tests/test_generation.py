@@ -310,3 +310,17 @@ def test_length_cut_replies_are_dropped_and_not_regenerated_when_keep_length_is_
         assert len(server.requests) == n_before  # dropped replies count as done
     raw = list(read_jsonl(tmp_path / "01b_generated/ds/raw.jsonl"))
     assert {r["id"] for r in raw if not r["kept"]} == set(expected) - kept
+
+
+def test_line_ids_reads_escaped_ids_and_ignores_a_torn_tail(tmp_path):
+    from eagle3.generation import line_ids
+    from eagle3.records import JsonlAppender
+
+    ids = ['ds/"quoted"', "ds/naïve\\path", "ds/plain"]
+    with JsonlAppender(tmp_path / "x.jsonl") as f:
+        for k, i in enumerate(ids):
+            f.write({"id": i, "kept": k != 1})
+    (tmp_path / "x.jsonl").open("ab").write(b'{"id": "ds/torn", "ke')
+    assert line_ids(tmp_path / "x.jsonl") == set(ids)
+    assert line_ids(tmp_path / "x.jsonl", b'"kept": false}') == {"ds/naïve\\path"}
+    assert line_ids(tmp_path / "missing.jsonl") == set()
