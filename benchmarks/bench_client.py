@@ -76,7 +76,7 @@ def start_servers(n: int, cpus: set[int] | None) -> tuple[list[subprocess.Popen]
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"fake server {url} did not start")
+                    raise RuntimeError(f"fake server {url} did not start") from None
                 time.sleep(0.1)
     return procs, urls
 

@@ -120,7 +120,7 @@ def build_job(conv: dict, renderer: ChatRenderer, max_seq_len: int,
 
 
 def generated_record(job: GenerationJob, output_ids: list[int], finish_reason: str) -> dict:
-    """The tokenized record of a reply generated as token ids: prompt + output, output supervised."""
+    """The tokenized record of a reply generated as ids: prompt + output, output supervised."""
     return TokenizedRecord(job.id, job.source, job.prompt_ids.tolist() + output_ids,
                            [0] * len(job.prompt_ids) + [1] * len(output_ids),
                            len(job.prompt_ids), finish_reason).to_json()
@@ -203,7 +203,7 @@ class HFGenerator:
                 pad_token_id=self.pad_id,
             )[:, width:].tolist()
         results = []
-        for j, row in zip(jobs, out):
+        for j, row in zip(jobs, out, strict=True):
             row = row[: j.max_new_tokens]
             stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
             if stop is None:
@@ -227,7 +227,7 @@ def run_generation(jobs: list[GenerationJob], generator: HFGenerator, sink: Reco
         if all(j.id in done for j in batch):
             bar.update(len(batch))
             continue
-        for job, (output, reason) in zip(batch, generator.generate(batch)):
+        for job, (output, reason) in zip(batch, generator.generate(batch), strict=True):
             if job.id in done:
                 continue
             sink.add(generated_record(job, output, reason),

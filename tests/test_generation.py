@@ -324,3 +324,24 @@ def test_line_ids_reads_escaped_ids_and_ignores_a_torn_tail(tmp_path):
     assert line_ids(tmp_path / "x.jsonl") == set(ids)
     assert line_ids(tmp_path / "x.jsonl", b'"kept": false}') == {"ds/naïve\\path"}
     assert line_ids(tmp_path / "missing.jsonl") == set()
+
+
+def test_second_signal_abandons_inflight_requests_and_asks_server_to_abort_them(
+        tmp_path, tiny_target_dir, eos_id):
+    write_prepared_stage(tmp_path, {"ds": synthetic_conversations(50, "ds")}, max_seq_len=MAX_SEQ)
+    with FakeSGLang(Faults(slow_rate=1.0, slow_s=30.0), eos_id=eos_id) as server:
+        proc = _spawn(tmp_path, tiny_target_dir, server.url)
+        deadline = time.monotonic() + 60
+        while server.inflight < 16 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        waited = time.monotonic() - t0
+        aborted = {r["rid"] for r in server.requests if r["path"] == "/abort_request"}
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert waited < 15  # not the 30 s the requests in flight would take
+    assert len(aborted) == 16 and all(rid.startswith("ds/") for rid in aborted)
+    assert _records(tmp_path) == []

@@ -59,7 +59,7 @@ def test_post_json_succeeds_when_some_attempts_fail():
     policy = RetryPolicy(max_retries=20, base_delay_s=0.001, timeout_s=5.0)
     with FakeSGLang(faults) as server:
         for k in range(10):
-            answer = _run(lambda s: generate(s, server.url, [k], f"r{k}", {}, policy))
+            answer = _run(lambda s, k=k: generate(s, server.url, [k], f"r{k}", {}, policy))
             assert answer["output_ids"] == fake_output([k], 128)[0]
     kinds = [r["kind"] for r in server.requests]
     assert kinds.count("ok") == 10 and "error" in kinds and "drop" in kinds
@@ -107,7 +107,8 @@ def test_pool_least_outstanding_picks_the_least_busy_and_skips_down_servers():
 def test_generate_over_a_pool_retries_on_another_server_when_one_is_down():
     with FakeSGLang() as alive:
         pool = ServerPool([_dead_url(), alive.url], "round_robin")
-        answers = [_run(lambda s: generate(s, pool, [k], f"r{k}", {}, FAST)) for k in range(4)]
+        answers = [_run(lambda s, k=k: generate(s, pool, [k], f"r{k}", {}, FAST))
+                   for k in range(4)]
     assert all(a["output_ids"] == fake_output([k], 128)[0] for k, a in enumerate(answers))
     assert sum(pool.sent.values()) >= 6  # refused attempts went to the dead one first
 
