@@ -1,88 +1,256 @@
 #!/usr/bin/env python3
 """Stage 05: measure the draft — acceptance length, and speed against no draft.
 
-`--backend hf` runs greedy chain speculative decoding of the draft against a transformers target
-on the held-out eval prompts (`01c_merged/eval.jsonl`), checks the output equals plain greedy
-decoding, and writes `<workdir>/05_benchmark/results.json` and `report.md`.
+`--backend hf`: chain speculative decoding of the draft against a transformers target (greedy at
+temperature 0, checked token for token against plain greedy decoding; speculative sampling
+above 0), for each `--steps`. `--backend sglang`: a baseline server (no draft) and a speculative
+server (EAGLE3 + this draft), attached by URL or launched here from `--launch-args`, measured at
+each `--concurrency` on each prompt set: tokens/s in total and per request, TTFT, acceptance
+length (sum completion_tokens / sum spec_verify_ct) and speedup. Both write
+`<workdir>/05_benchmark/results.json`, `report.md` and PNG plots (sglang: `requests.jsonl`
+with every request and its output ids, and the server logs when launched here).
+
+Before measuring, and alone with `--check-only`, the preflight reads the draft's config and
+safetensors headers (names, shapes, fc width, d2t, layer ids on the SGLang release in use) and
+the servers' flags, and refuses what would silently serve garbage (e.g. EAGLE with an EAGLE-3
+draft). Prompt sets: `eval` (held-out split), `chat`, `code`, `math`, `tools` (prompts/), or
+JSONL paths.
 
 Tiny target (demo):
     python 05_benchmark.py --workdir runs/demo --target runs/demo/target --backend hf \
-        --steps 3 7 --max-new-tokens 32 --num-prompts 8
+        --steps 3 7 --max-new-tokens 32 --num-prompts 8 --prompt-sets eval
 Real run against SGLang servers: see train_plan_v4.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import shlex
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.benchmark import PromptSet, report_markdown, run_offline
+from eagle3.benchmark import LoadSettings, combine, measure_server, run_offline
+from eagle3.benchmark_report import report_markdown, write_plots
 from eagle3.chat import ChatRenderer
 from eagle3.cli import arg, config_dict, parse_config, setup_logging
-from eagle3.export import describe_layers, load_draft
+from eagle3.launcher import LaunchedServer, sglang_command
+from eagle3.preflight import (check_baseline_server, check_draft_for_run,
+                              check_speculative_server, raise_on_errors, read_draft_config)
 from eagle3.progress import format_summary, human_seconds, progress
-from eagle3.records import read_jsonl
+from eagle3.prompts import EVAL_SET, load_prompt_set
+from eagle3.records import JsonlAppender
+from eagle3.server import get_server_info
 from eagle3.stage import atomic_write_bytes, atomic_write_json, open_stage, require_upstream
-from eagle3.target import load_embedding, load_hf_model, load_tokenizer
+from eagle3.target import load_tokenizer
 
 STAGE = "05_benchmark"
+SPEC_DEFAULT = "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 
 
 @dataclass
 class BenchmarkConfig:
-    target: Path = arg(help="target model folder")
     workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
+    target: Path | None = arg(None, "target model folder: tokenizer and config (weights for hf)")
     draft: Path | None = arg(None, "draft folder (default: <workdir>/04_train/final)")
-    backend: str = arg("hf", "hf: offline speculative decoding in transformers", choices=["hf"])
-    steps: list[int] = arg([3, 7], "chain lengths (draft tokens per verify pass) to measure")
+    backend: str = arg("hf", "hf: offline in transformers; sglang: baseline vs speculative "
+                             "servers", choices=["hf", "sglang"])
+    check_only: bool = arg(False, "run the preflight checks and exit (0 ok, 1 refused)")
+    prompt_sets: list[str] = arg(["eval"], "eval, chat, code, math, tools, or JSONL paths")
+    num_prompts: int = arg(64, "prompts per set (the first N)")
     max_new_tokens: int = arg(256, "tokens generated per prompt")
-    num_prompts: int = arg(64, "eval prompts used (first N of the eval split)")
-    device: str = arg("cpu", "torch device")
-    dtype: str = arg("float32", "target and draft dtype")
+    temperature: float = arg(0.0, "0 = greedy; > 0 = sampling (hf: speculative sampling)")
+    seed: int = arg(0, "sampling seed (hf backend)")
+    steps: list[int] = arg([3, 7], "hf: chain lengths (draft tokens per verify pass)")
+    device: str = arg("cpu", "hf: torch device")
+    dtype: str = arg("float32", "hf: target and draft dtype")
+    baseline_url: str | None = arg(None, "sglang: running server without a draft")
+    spec_url: str | None = arg(None, "sglang: running server with this draft (EAGLE3)")
+    launch_args: str | None = arg(None, "sglang: launch both servers here, one after the other, "
+                                        "with these SGLang flags (model, --tp-size ...)")
+    spec_args: str = arg(SPEC_DEFAULT, "sglang: extra flags of the launched speculative server "
+                                       "(05 adds --speculative-algorithm EAGLE3 and the draft)")
+    port: int = arg(30000, "sglang: port of the launched servers")
+    sglang_python: str = arg(sys.executable, "sglang: python that runs sglang.launch_server")
+    ready_timeout_s: float = arg(3600.0, "sglang: seconds a launched server may take to load")
+    concurrency: list[int] = arg([1, 4, 16, 64], "sglang: requests in flight, per level")
+    stream: bool = arg(True, "sglang: stream answers (needed for TTFT)")
+    sglang_version: str | None = arg(None, "release that will serve the draft, for the layer "
+                                           "check without a server (default: both rules)")
     allow_partial: bool = arg(False, "accept incomplete upstream folders")
     force: bool = arg(False, "redo the stage even if it is complete")
     log_level: str = arg("INFO", "logging level")
+
+    def __post_init__(self):
+        if self.backend == "hf" and self.target is None:
+            raise ValueError("--backend hf needs --target (the transformers model folder)")
+        attach = self.baseline_url is not None or self.spec_url is not None
+        if self.backend == "sglang" and not self.check_only:
+            if attach == (self.launch_args is not None):
+                raise ValueError("--backend sglang needs either --baseline-url and --spec-url "
+                                 "(running servers) or --launch-args (start them here)")
+            if attach and (self.baseline_url is None or self.spec_url is None):
+                raise ValueError("give both --baseline-url and --spec-url")
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(BenchmarkConfig, argv, __doc__)
     setup_logging(cfg.log_level)
     draft_dir = cfg.draft or cfg.workdir / "04_train" / "final"
-    require_upstream(cfg.workdir / "01c_merged", cfg.allow_partial)
+    if cfg.check_only:
+        return check_only(cfg, draft_dir)
+    if EVAL_SET in cfg.prompt_sets:
+        require_upstream(cfg.workdir / "01c_merged", cfg.allow_partial)
     if cfg.draft is None:
         require_upstream(cfg.workdir / "04_train", cfg.allow_partial)
     stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
     if stage is None:
         return 0
     t0 = time.time()
+    problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, cfg.sglang_version)
+    raise_on_errors(problems, f"draft {draft_dir}")
+    renderer = ChatRenderer(load_tokenizer(cfg.target)) if cfg.target else None
+    sets = [load_prompt_set(s, cfg.workdir, renderer, cfg.num_prompts) for s in cfg.prompt_sets]
+    if EVAL_SET in cfg.prompt_sets:
+        stage.add_input(cfg.workdir / "01c_merged" / "eval.jsonl")
+    run = run_hf if cfg.backend == "hf" else run_sglang
+    results = {"backend": cfg.backend, "draft": str(draft_dir), "layers": layers,
+               "preflight": [str(p) for p in problems],
+               "prompts": {ps.name: len(ps.prompts) for ps in sets}}
+    results.update(run(cfg, draft_dir, sets, stage.dir, renderer, results["preflight"]))
+    atomic_write_json(stage.dir / "results.json", results)
+    atomic_write_bytes(stage.dir / "report.md", report_markdown(results).encode())
+    plots = write_plots(results, stage.dir)
+    outputs, rows, ok = _summary(results)
+    stage.finish(outputs=outputs)
+    rows.update(plots=", ".join(p.name for p in plots), layers=layers,
+                time=human_seconds(time.time() - t0))
+    print(format_summary("05 benchmark", rows))
+    return 0 if ok else 1
+
+
+def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
+    """Preflight of the draft and of the servers given by URL; prints every problem."""
+    infos = asyncio.run(_server_infos({"baseline": cfg.baseline_url, "speculative": cfg.spec_url}))
+    version = (infos.get("speculative") or {}).get("version") or cfg.sglang_version
+    problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, version)
+    if "baseline" in infos:
+        problems += check_baseline_server(infos["baseline"])
+    if "speculative" in infos:
+        problems += check_speculative_server(infos["speculative"], read_draft_config(draft_dir),
+                                             draft_dir)
+    for p in problems:
+        print(p)
+    errors = sum(p.level == "error" for p in problems)
+    print(format_summary("05 preflight", {"draft": str(draft_dir), "layers": layers,
+                                          "servers": ", ".join(infos) or "none given",
+                                          "errors": errors, "warnings": len(problems) - errors}))
+    return 1 if errors else 0
+
+
+async def _server_infos(urls: dict) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        return {role: await get_server_info(session, url) for role, url in urls.items() if url}
+
+
+def run_hf(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> dict:
     import torch
+
+    from eagle3.export import load_draft
+    from eagle3.target import load_embedding, load_hf_model
 
     dtype = getattr(torch, cfg.dtype)
     model = load_hf_model(cfg.target, cfg.dtype, cfg.device)
     draft = load_draft(draft_dir, cfg.device, dtype)
     embed = load_embedding(cfg.target).to(cfg.device, dtype)
-    eos = {ChatRenderer(load_tokenizer(cfg.target)).end_of_turn_id}
-    src = cfg.workdir / "01c_merged" / "eval.jsonl"
-    stage.add_input(src)
-    prompts = [r["input_ids"][: r["n_prompt_tokens"]] for r in read_jsonl(src)][: cfg.num_prompts]
-    bar = progress(total=len(prompts), desc="05 eval prompts", unit="prompt")
-    result = run_offline(model, draft, embed, PromptSet("eval", prompts), cfg.steps,
-                         cfg.max_new_tokens, eos, bar)
+    eos = {renderer.end_of_turn_id}
+    out = {}
+    for ps in sets:
+        bar = progress(total=len(ps.prompts), desc=f"05 {ps.name}", unit="prompt")
+        out[ps.name] = run_offline(model, draft, embed, ps, cfg.steps, cfg.max_new_tokens, eos,
+                                   bar, cfg.temperature, cfg.seed)
+        bar.close()
+    return {"temperature": cfg.temperature, "prompt_sets": out}
+
+
+def run_sglang(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> dict:
+    """Baseline, then speculative: each attached or launched, checked, then measured."""
+    load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature},
+                        cfg.stream)
+    n = sum(max(len(ps.prompts), 2 * c) for ps in sets for c in cfg.concurrency)
+    bar = progress(total=2 * n, desc="05 requests", unit="req")
+    (stage_dir / "requests.jsonl").unlink(missing_ok=True)  # a re-run measures afresh
+    measured, servers = {}, {}
+    with JsonlAppender(stage_dir / "requests.jsonl") as sink:
+        for role in ("baseline", "speculative"):
+            with _server(cfg, role, draft_dir, stage_dir) as url:
+                info = asyncio.run(_server_infos({role: url}))[role]
+                servers[role] = _check_server(role, info, url, cfg, draft_dir, notes)
+                load.incremental_stream = bool(info.get("incremental_streaming_output"))
+                measured[role] = measure_server(url, role, sets, cfg.concurrency, load, sink,
+                                                bar=bar)
     bar.close()
-    results = {"backend": "hf", "draft": str(draft_dir), "prompt_sets": {"eval": result},
-               "layers": describe_layers([i - 1 for i in draft.cfg.capture_layers])}
-    atomic_write_json(stage.dir / "results.json", results)
-    atomic_write_bytes(stage.dir / "report.md", report_markdown(results).encode())
-    stage.finish(outputs={s: m["acceptance_length"] for s, m in result["steps"].items()})
-    rows = {f"steps {s}: acceptance length": f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}"
-                                             f"), lossless: {m['lossless_mismatches'] == 0}"
-            for s, m in result["steps"].items()}
-    rows.update(prompts=len(prompts), time=human_seconds(time.time() - t0))
-    print(format_summary("05 benchmark", rows))
-    lossless = all(m["lossless_mismatches"] == 0 for m in result["steps"].values())
-    return 0 if lossless else 1
+    return {"servers": servers, "sampling_params": load.sampling_params, "stream": cfg.stream,
+            "prompt_sets": combine(measured["baseline"], measured["speculative"])}
+
+
+def _check_server(role: str, info: dict, url: str, cfg, draft_dir: Path, notes: list) -> dict:
+    layers = None
+    if role == "baseline":
+        problems = check_baseline_server(info)
+    else:
+        problems = check_speculative_server(info, read_draft_config(draft_dir), draft_dir)
+        version_problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir,
+                                                       info.get("version"))
+        problems += [p for p in version_problems if p.level == "error"]
+    raise_on_errors(problems, f"{role} server {url}")
+    notes += [f"{role} server: {p}" for p in problems]
+    spec = info.get("speculative_algorithm")
+    return {"url": url, "version": info.get("version"), "model_path": info.get("model_path"),
+            "speculative": spec and (f"{spec}, steps {info.get('speculative_num_steps')}, topk "
+                                     f"{info.get('speculative_eagle_topk')}, draft tokens "
+                                     f"{info.get('speculative_num_draft_tokens')}"),
+            "layers": layers if role == "speculative" else None}
+
+
+@contextlib.contextmanager
+def _server(cfg, role: str, draft_dir: Path, stage_dir: Path):
+    """The URL of a running server (attached) or of one launched for the block."""
+    if cfg.launch_args is None:
+        yield cfg.baseline_url if role == "baseline" else cfg.spec_url
+        return
+    extra = [] if role == "baseline" else [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+        *shlex.split(cfg.spec_args)]
+    command = sglang_command(cfg.sglang_python, cfg.launch_args, cfg.port, extra)
+    url = f"http://127.0.0.1:{cfg.port}"
+    with LaunchedServer(command, stage_dir / f"server_{role}.log", url, cfg.ready_timeout_s):
+        yield url
+
+
+def _summary(results: dict) -> tuple[dict, dict, bool]:
+    """(manifest outputs, summary rows, lossless) of the results."""
+    outputs, rows, ok = {}, {}, True
+    for name, r in results["prompt_sets"].items():
+        if results["backend"] == "hf":
+            for s, m in r["steps"].items():
+                outputs.setdefault(s, m["acceptance_length"])
+                ok &= not m["lossless_mismatches"]
+                lossless = ("n/a (sampling)" if m["lossless_mismatches"] is None
+                            else m["lossless_mismatches"] == 0)
+                rows[f"{name} steps {s}: acceptance length"] = (
+                    f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), lossless: {lossless}")
+            continue
+        for c, row in r.items():
+            acc = row["speculative"]["acceptance_length"]
+            outputs[f"{name} c={c}"] = acc or 0.0
+            rows[f"{name} c={c}"] = (f"acceptance {acc or 0:.3f}, speedup "
+                                     f"{row['speedup'] or 0:.2f}x")
+    return outputs, rows, ok
 
 
 if __name__ == "__main__":

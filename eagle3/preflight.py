@@ -267,8 +267,8 @@ def _check_layer_ids(config: dict, expected: list[int] | None,
         fix = str(e)
     detail = "; ".join(f"SGLang {rule} captures {got}" for rule, got in wrong.items())
     return [Problem("error", f"eagle_aux_hidden_state_layer_ids={ids}: {detail}, but the draft "
-                             f"was trained on captures {list(expected)}. In config.json {fix}, "
-                             "or re-export with 04_train.py")]
+                             f"was trained on captures {list(expected)}. In config.json {fix} "
+                             "(eagle3.export.export_sglang writes ids every release reads alike)")]
 
 
 # ---------------------------------------------------------------- servers
@@ -340,3 +340,40 @@ def check_vocab_coverage(t2d, records: Iterable[dict],
                                   "ends a draft chain. Rebuild 03 with a larger --draft-vocab "
                                   "(03_vocab/report.json lists coverage at 8K-64K) and retrain")]
     return coverage, []
+
+
+def check_draft_for_run(draft_dir: Path, target_dir: Path | None = None,
+                        workdir: Path | None = None,
+                        sglang_version: str | None = None) -> tuple[list[Problem], str]:
+    """`check_draft` with what a pipeline run knows, and the layer report line.
+
+    The target folder gives the hidden size, the vocabulary and SGLang's default captures
+    `[2, N//2, N-3]`; `<workdir>/02b_hidden_states/manifest.json` gives the captures the
+    training data really used (preferred); `<workdir>/01c_merged/eval.jsonl` gives the draft
+    vocabulary's coverage of held-out supervised tokens.
+    """
+    from eagle3.records import read_jsonl
+    from eagle3.stage import read_manifest
+    from eagle3.target import default_capture_layers, read_target_info
+
+    hidden = vocab = expected = None
+    if target_dir is not None:
+        info = read_target_info(target_dir)
+        hidden, vocab = info.hidden_size, info.vocab_size
+        expected = default_capture_layers(info.num_hidden_layers)
+    if workdir is not None:
+        manifest = read_manifest(Path(workdir) / "02b_hidden_states") or {}
+        expected = manifest.get("capture_layers") or expected
+    problems = check_draft(draft_dir, hidden, vocab, expected, sglang_version)
+    eval_path = Path(workdir) / "01c_merged" / "eval.jsonl" if workdir is not None else None
+    if eval_path is not None and eval_path.is_file() and not any(
+            p.level == "error" for p in problems):
+        coverage, warnings = check_vocab_coverage(load_t2d(draft_dir), read_jsonl(eval_path))
+        log.info("draft vocabulary covers %.1f%% of supervised eval tokens", 100 * coverage)
+        problems += warnings
+    ids = (read_draft_config(draft_dir).get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    try:
+        return problems, layer_report(ids, sglang_version) if ids else "no layer ids"
+    except ExportError as e:
+        return problems, str(e)
