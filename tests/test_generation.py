@@ -345,3 +345,23 @@ def test_second_signal_abandons_inflight_requests_and_asks_server_to_abort_them(
     assert waited < 15  # not the 30 s the requests in flight would take
     assert len(aborted) == 16 and all(rid.startswith("ds/") for rid in aborted)
     assert _records(tmp_path) == []
+
+
+def test_generate_stops_cleanly_when_every_server_stays_down(tmp_path, tiny_target_dir, eos_id):
+    write_prepared_stage(tmp_path, {"ds": synthetic_conversations(200, "ds")}, max_seq_len=MAX_SEQ)
+    with FakeSGLang(Faults(delay_s=(0.01, 0.02)), eos_id=eos_id) as server:
+
+        def crash():
+            while len(server.requests) < 40:
+                time.sleep(0.005)
+            server.stop()  # and never comes back
+
+        threading.Thread(target=crash, daemon=True).start()
+        t0 = time.monotonic()
+        rc = _main(_argv(tmp_path, tiny_target_dir, server.url, "--concurrency", "8",
+                         "--server-down-timeout-s", "1.0"))
+    assert rc == 1 and time.monotonic() - t0 < 30
+    written = _records(tmp_path)
+    assert 40 <= len(written) < 200
+    assert not (tmp_path / "01b_generated/ds/failures.jsonl").read_bytes()  # nothing blamed
+    assert not (tmp_path / "01b_generated/manifest.json").exists()
