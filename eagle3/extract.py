@@ -17,6 +17,7 @@ forward pass, which is what an SGLang server (or the tests' fake one) computes p
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -29,6 +30,7 @@ import torch
 from eagle3 import hidden_states as hs
 from eagle3.progress import human_bytes, human_seconds, progress
 from eagle3.records import JsonlAppender, read_jsonl
+from eagle3.stage import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,48 @@ def _check_unique_ids(records: list[dict], root: Path) -> None:
                                f"of the split written to {root}: ids must be unique (re-run the "
                                "merge stage)")
         seen[rec["id"]] = i
+
+
+class FailureLog:
+    """`<split>/failures.jsonl`: records that failed every attempt, with their reasons.
+
+    Rewritten whole at each failure (a handful of lines) and at the end, when records that now
+    have a file (a re-run retried them) are dropped; the file is removed when none is left.
+    """
+
+    def __init__(self, path: Path, max_failures: int):
+        self.path, self.max_failures = path, max_failures
+        self.entries: dict[int, dict] = {}  # from an earlier run too, until retried
+        if path.exists():
+            self.entries = {e["idx"]: e for e in read_jsonl(path)}
+        self.new = 0  # failures of this run
+
+    def add(self, idx: int, record_id: str, reasons: list[str]) -> None:
+        self.entries[idx] = {"idx": idx, "id": record_id, "reason": reasons[-1],
+                             "attempts": len(reasons), "reasons": reasons}
+        self.new += 1
+        log.error("record %s failed %d times, last: %s", record_id, len(reasons), reasons[-1])
+        self._write()
+        if 0 <= self.max_failures < self.new:
+            raise ExtractError(f"{self.new} records failed (more than --max-failures "
+                               f"{self.max_failures}); something systematic is wrong: see "
+                               f"{self.path}")
+
+    def close(self, writer: SplitWriter) -> None:
+        """Keep only records still without a file (a re-run may have fixed earlier ones)."""
+        for idx in [i for i in self.entries if i in writer.done]:
+            del self.entries[idx]
+        if not self.entries:
+            self.path.unlink(missing_ok=True)
+        else:
+            self._write()
+            log.error("%d records of %s failed; they are listed in %s and retried by a re-run",
+                      len(self.entries), writer.root.name, self.path)
+
+    def _write(self) -> None:
+        lines = "".join(json.dumps(e, ensure_ascii=False) + "\n"
+                        for _, e in sorted(self.entries.items()))
+        atomic_write_bytes(self.path, lines.encode())
 
 
 # ---------------------------------------------------------------- disk preflight

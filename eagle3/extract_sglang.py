@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import math
+import shutil
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -42,12 +42,19 @@ import aiohttp
 
 from eagle3 import hidden_states as hs
 from eagle3 import sglang_dump
-from eagle3.extract import (FAILURES_FILE, ExtractCounts, ExtractError, ExtractProgress,
-                            SplitWriter, check_disk, record_meta)
+from eagle3.extract import (
+    FAILURES_FILE,
+    ExtractCounts,
+    ExtractError,
+    ExtractProgress,
+    FailureLog,
+    SplitWriter,
+    check_disk,
+    record_meta,
+)
 from eagle3.preflight import check_dump_server, raise_on_errors
-from eagle3.records import read_jsonl
+from eagle3.progress import human_bytes
 from eagle3.server import RetryPolicy, ServerError, generate, get_json, get_server_info
-from eagle3.stage import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +83,8 @@ class SglangOptions:
     dump_wait_s: float = 30.0  # how long a dump may lag behind its answer
     server_wait_s: float = 1800.0  # how long to wait for a server that went down
     poll_s: float = 5.0  # readiness polling while waiting for the server
-    retry: RetryPolicy = field(default_factory=RetryPolicy)  # per-request HTTP retries
+    # Per-request HTTP retries; a prefill-only request that takes 10 minutes is a hung server.
+    retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=600.0))
 
 
 @dataclass(frozen=True)
@@ -213,7 +221,7 @@ class SglangExtractor:
         self.restarts = 0
         self._any_success = False
 
-    async def __aenter__(self) -> "SglangExtractor":
+    async def __aenter__(self) -> SglangExtractor:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self._pool = concurrent.futures.ThreadPoolExecutor(self.opts.workers, "02b-convert")
         self._restart_lock = asyncio.Lock()
@@ -243,7 +251,7 @@ class SglangExtractor:
     async def run_split(self, writer: SplitWriter, prog: ExtractProgress, verify_n: int = 0,
                         verify: Callable | None = None) -> tuple[ExtractCounts, list | None]:
         """Extract every record of the split still without a file; verify the first ones."""
-        failures = _Failures(writer.root / FAILURES_FILE, self.opts.max_failures)
+        failures = FailureLog(writer.root / FAILURES_FILE, self.opts.max_failures)
         pending = writer.pending()
         head = [i for i in pending if i < verify_n]
         try:
@@ -260,7 +268,7 @@ class SglangExtractor:
         return counts, report
 
     async def _run(self, idxs: list[int], writer: SplitWriter, prog: ExtractProgress,
-                   failures: "_Failures") -> None:
+                   failures: FailureLog) -> None:
         idxs = list(idxs)
         while idxs and not self._any_success:  # the probe: one record at a time
             await self._process(idxs.pop(0), writer, prog, failures, probe=True)
@@ -287,7 +295,7 @@ class SglangExtractor:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _process(self, idx: int, writer: SplitWriter, prog: ExtractProgress,
-                       failures: "_Failures", probe: bool = False) -> None:
+                       failures: FailureLog, probe: bool = False) -> None:
         rec = writer.records[idx]
         reasons = []
         for attempt in range(self.opts.max_attempts):
@@ -319,8 +327,9 @@ class SglangExtractor:
         delay = 0.005
         while not dump.exists():  # written before the answer; a network file system may lag
             if time.monotonic() > deadline:
+                free = shutil.disk_usage(self.opts.dump_dir).free
                 raise SampleError(f"missing dump: no {dump} {self.opts.dump_wait_s:.0f}s after "
-                                  "the answer")
+                                  f"the answer ({human_bytes(free)} free in the dump directory)")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
         loop = asyncio.get_running_loop()
@@ -379,42 +388,3 @@ class SglangExtractor:
             "no prefill CUDA graph (--disable-piecewise-cuda-graph on SGLang <= 0.5.13, "
             "--cuda-graph-backend-prefill disabled later). The server log says why a pass was "
             "skipped (lines with 'eagle3 dump')")
-
-
-class _Failures:
-    """Records that failed every attempt: logged as they happen, rewritten at the end."""
-
-    def __init__(self, path: Path, max_failures: int):
-        self.path, self.max_failures = path, max_failures
-        self.entries: dict[int, dict] = {}  # from an earlier run too, until retried
-        if path.exists():
-            self.entries = {e["idx"]: e for e in read_jsonl(path)}
-        self.new = 0  # failures of this run
-
-    def add(self, idx: int, record_id: str, reasons: list[str]) -> None:
-        self.entries[idx] = {"idx": idx, "id": record_id, "reason": reasons[-1],
-                             "attempts": len(reasons), "reasons": reasons}
-        self.new += 1
-        log.error("record %s failed %d times, last: %s", record_id, len(reasons), reasons[-1])
-        self._write()
-        if 0 <= self.max_failures < self.new:
-            raise ExtractError(f"{self.new} records failed (more than --max-failures "
-                               f"{self.max_failures}); something systematic is wrong: see "
-                               f"{self.path}")
-
-    def close(self, writer: SplitWriter) -> None:
-        """Keep only records still without a file (a re-run may have fixed earlier ones)."""
-        for idx in [i for i in self.entries if i in writer.done]:
-            del self.entries[idx]
-        if self.entries:
-            self._write()
-        else:
-            self.path.unlink(missing_ok=True)
-        if self.entries:
-            log.error("%d records of %s failed; they are listed in %s and retried by a re-run",
-                      len(self.entries), writer.root.name, self.path)
-
-    def _write(self) -> None:
-        lines = "".join(json.dumps(e, ensure_ascii=False) + "\n"
-                        for _, e in sorted(self.entries.items()))
-        atomic_write_bytes(self.path, lines.encode())

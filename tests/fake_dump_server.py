@@ -112,7 +112,7 @@ class FakeDumpServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
-    def __enter__(self) -> "FakeDumpServer":
+    def __enter__(self) -> FakeDumpServer:
         self.start()
         return self
 

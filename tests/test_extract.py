@@ -8,13 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from extract_helpers import (
+    STAGE,
+    assert_same_outputs,
+    copy_merged,
+    data_files,
+    main_02b,
+    write_merged,
+)
 
 from eagle3 import extract
 from eagle3 import hidden_states as hs
 from eagle3.extract import ExtractError, SplitWriter, check_output_disk, fixed_batches
 from eagle3.records import read_jsonl
-from extract_helpers import STAGE, assert_same_outputs, copy_merged, data_files, main_02b
-from extract_helpers import write_merged
 
 
 def _hf(workdir: Path, target: Path, *extra: str) -> int:

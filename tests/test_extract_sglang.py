@@ -16,17 +16,29 @@ import time
 from pathlib import Path
 
 import pytest
+from extract_helpers import (
+    STAGE,
+    assert_same_outputs,
+    copy_merged,
+    data_files,
+    main_02b,
+    write_merged,
+)
+from fake_dump_server import FakeDumpServer, Faults
 
 from eagle3.extract import ExtractError, SplitWriter
-from eagle3.extract_sglang import (Expected, SglangOptions, auto_concurrency, check_answer,
-                                   extract_sglang, make_rid)
+from eagle3.extract_sglang import (
+    Expected,
+    SglangOptions,
+    auto_concurrency,
+    check_answer,
+    extract_sglang,
+    make_rid,
+)
 from eagle3.preflight import PreflightError
 from eagle3.records import read_jsonl
 from eagle3.server import RetryPolicy
 from eagle3.target import default_capture_layers, read_target_info
-from extract_helpers import STAGE, assert_same_outputs, copy_merged, data_files, main_02b
-from extract_helpers import write_merged
-from fake_dump_server import FakeDumpServer, Faults
 
 ROOT = Path(__file__).resolve().parent.parent
 
