@@ -37,7 +37,7 @@ from eagle3.benchmark_report import report_markdown, write_plots
 from eagle3.chat import ChatRenderer
 from eagle3.cli import arg, config_dict, parse_config, setup_logging
 from eagle3.launcher import LaunchedServer, sglang_command
-from eagle3.preflight import (check_baseline_server, check_draft_for_run,
+from eagle3.preflight import (check_baseline_server, check_draft_for_run, check_server_pair,
                               check_speculative_server, raise_on_errors, read_draft_config)
 from eagle3.progress import format_summary, human_seconds, progress
 from eagle3.prompts import EVAL_SET, load_prompt_set
@@ -194,6 +194,9 @@ def run_sglang(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> 
                 measured[role] = measure_server(url, role, sets, cfg.concurrency, load, sink,
                                                 bar=bar)
     bar.close()
+    pair = check_server_pair(*(servers[r].pop("info") for r in ("baseline", "speculative")))
+    raise_on_errors(pair, "servers")
+    notes += [str(p) for p in pair]
     return {"servers": servers, "sampling_params": load.sampling_params, "stream": cfg.stream,
             "prompt_sets": combine(measured["baseline"], measured["speculative"])}
 
@@ -214,7 +217,7 @@ def _check_server(role: str, info: dict, url: str, cfg, draft_dir: Path, notes: 
             "speculative": spec and (f"{spec}, steps {info.get('speculative_num_steps')}, topk "
                                      f"{info.get('speculative_eagle_topk')}, draft tokens "
                                      f"{info.get('speculative_num_draft_tokens')}"),
-            "layers": layers if role == "speculative" else None}
+            "layers": layers if role == "speculative" else None, "info": info}
 
 
 @contextlib.contextmanager
@@ -248,8 +251,9 @@ def _summary(results: dict) -> tuple[dict, dict, bool]:
         for c, row in r.items():
             acc = row["speculative"]["acceptance_length"]
             outputs[f"{name} c={c}"] = acc or 0.0
+            slower = " (SLOWER than no draft)" if (row["speedup"] or 0) < 1 else ""
             rows[f"{name} c={c}"] = (f"acceptance {acc or 0:.3f}, speedup "
-                                     f"{row['speedup'] or 0:.2f}x")
+                                     f"{row['speedup'] or 0:.2f}x{slower}")
     return outputs, rows, ok
 
 

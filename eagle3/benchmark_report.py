@@ -25,6 +25,11 @@ def _f(x, fmt: str = ".2f", scale: float = 1.0) -> str:
     return "-" if x is None else format(x * scale, fmt)
 
 
+def _speedup(x) -> str:
+    """Speedups below 1 are flagged: the draft makes serving slower."""
+    return "-" if x is None else (f"**{x:.2f} (slower)**" if x < 1 else f"{x:.2f}")
+
+
 def report_markdown(results: dict) -> str:
     """report.md for either backend."""
     if results.get("backend") == "sglang":
@@ -58,7 +63,7 @@ def _sglang_markdown(results: dict) -> str:
         for c, row in levels.items():
             s, b = row["speculative"], row["baseline"] or {}
             lines.append(
-                f"| {c} | {_f(s['acceptance_length'], '.3f')} | {_f(row['speedup'])} | "
+                f"| {c} | {_f(s['acceptance_length'], '.3f')} | {_speedup(row['speedup'])} | "
                 f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
                 f"{_f(s['per_request_tok_s'], '.1f')} | {_f(b.get('per_request_tok_s'), '.1f')} | "
                 f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)} |")

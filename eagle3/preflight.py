@@ -290,6 +290,10 @@ def check_speculative_server(info: dict, draft_config: dict | None = None,
     if draft_dir is not None and served and Path(served).name != Path(draft_dir).name:
         problems.append(Problem("warning", f"the server serves the draft {served}, the check "
                                 f"read {draft_dir}: make sure they are the same files"))
+    if info.get("disable_cuda_graph"):
+        problems.append(Problem("warning", "CUDA graphs are off (--disable-cuda-graph): every "
+                                "draft step pays kernel-launch overhead and speculative decoding "
+                                "can end up slower than no draft. Remove the flag"))
     steps, topk = info.get("speculative_num_steps"), info.get("speculative_eagle_topk")
     tokens = info.get("speculative_num_draft_tokens")
     if topk == 1 and steps and tokens and tokens != steps + 1:
@@ -297,6 +301,26 @@ def check_speculative_server(info: dict, draft_config: dict | None = None,
                                 f"verifies {steps + 1} tokens, the server says "
                                 f"--speculative-num-draft-tokens {tokens}: set it to {steps + 1}"))
     return problems
+
+
+# Server settings that change decoding speed on their own: a benchmark whose two servers differ
+# in any of them does not measure the draft alone.
+SPEED_KEYS = ("model_path", "tp_size", "dp_size", "ep_size", "quantization", "dtype",
+              "kv_cache_dtype", "attention_backend", "disable_cuda_graph", "cuda_graph_max_bs",
+              "mem_fraction_static", "max_running_requests", "chunked_prefill_size",
+              "context_length", "enable_dp_attention")
+
+
+def check_server_pair(baseline: dict, speculative: dict) -> list[Problem]:
+    """Warnings for settings (other than the draft) in which the two servers differ."""
+    diff = {k: (baseline.get(k), speculative.get(k)) for k in SPEED_KEYS
+            if baseline.get(k) != speculative.get(k)}
+    if not diff:
+        return []
+    listed = ", ".join(f"{k}: {b!r} vs {s!r}" for k, (b, s) in diff.items())
+    return [Problem("warning", f"the baseline and speculative servers differ in more than the "
+                               f"draft ({listed}): the speedup does not measure the draft alone. "
+                               "Start both with the same flags")]
 
 
 def check_baseline_server(info: dict) -> list[Problem]:

@@ -95,20 +95,20 @@ def test_measure_server_gives_hand_computed_acceptance_when_answers_are_known(in
 
 
 def test_measure_server_speedup_follows_the_scripted_timing_when_draft_commits_3_per_step():
-    with FakeBenchServer({}, ttft_s=0.03, step_s=0.02) as base_url:
+    with FakeBenchServer({}, ttft_s=0.05, step_s=0.05) as base_url:
         base = _measure(base_url)
-    with FakeBenchServer(SPEC_INFO, tokens_per_verify=3, ttft_s=0.03, step_s=0.02) as spec_url:
+    with FakeBenchServer(SPEC_INFO, tokens_per_verify=3, ttft_s=0.05, step_s=0.05) as spec_url:
         spec = _measure(spec_url)
     lengths = [len(p) + 2 for p in PROMPTS.prompts]
-    base_s = sum(0.03 + 0.02 * (n - 1) for n in lengths)  # one token per step
-    spec_s = sum(0.03 + 0.02 * verify_count(n, 3) for n in lengths)
+    base_s = sum(0.05 + 0.05 * (n - 1) for n in lengths)  # one token per step
+    spec_s = sum(0.05 + 0.05 * verify_count(n, 3) for n in lengths)
     row = combine(base, spec)["toy"]["1"]
     assert row["baseline"]["acceptance_length"] is None
     # Batch 1: requests run one after the other, so wall time ~ the sum of scripted latencies.
     assert row["baseline"]["total_tok_s"] == pytest.approx(sum(lengths) / base_s, rel=0.25)
     assert row["speculative"]["total_tok_s"] == pytest.approx(sum(lengths) / spec_s, rel=0.25)
     assert row["speedup"] == pytest.approx(base_s / spec_s, rel=0.3)
-    assert 0.03 <= row["speculative"]["ttft_mean_s"] < 0.03 + 0.05
+    assert 0.05 <= row["speculative"]["ttft_mean_s"] < 0.05 + 0.05
     c4 = combine(base, spec)["toy"]["4"]  # 4 in flight: more total throughput, same per request
     assert c4["baseline"]["total_tok_s"] > 2 * row["baseline"]["total_tok_s"]
 
@@ -153,8 +153,8 @@ def _sglang_argv(workdir, target, draft, *extra):
 def test_benchmark_script_writes_results_report_and_plots_when_attached(tmp_path,
                                                                         tiny_target_dir,
                                                                         tiny_draft):
-    with FakeBenchServer({}, step_s=0.005) as base, \
-            FakeBenchServer(SPEC_INFO, tokens_per_verify=3, step_s=0.005) as spec:
+    with FakeBenchServer({}, step_s=0.02) as base, \
+            FakeBenchServer(SPEC_INFO, tokens_per_verify=3, step_s=0.02) as spec:
         rc = _bench(_sglang_argv(tmp_path, tiny_target_dir, tiny_draft, "--baseline-url", base,
                                  "--spec-url", spec))
     assert rc == 0

@@ -13,8 +13,9 @@ import torch
 from eagle3.draft_model import DraftConfig, Eagle3Draft
 from eagle3.export import export_sglang
 from eagle3.preflight import (PreflightError, check_baseline_server, check_draft,
-                              check_dump_server, check_speculative_server, check_vocab_coverage,
-                              layer_report, load_t2d, raise_on_errors, read_tensor_shapes)
+                              check_dump_server, check_server_pair, check_speculative_server,
+                              check_vocab_coverage, layer_report, load_t2d, raise_on_errors,
+                              read_tensor_shapes)
 
 # Kimi-K2.5: hidden 7168, vocab 163840, 61 layers -> captures [2, 30, 58]; a 32000-id draft vocab.
 KIMI = DraftConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
@@ -243,3 +244,17 @@ def test_raise_on_errors_lists_every_error_when_several_fail():
     with pytest.raises(PreflightError) as e:
         raise_on_errors(problems, "dump server")
     assert "--disable-radix-cache" in str(e.value) and "--enable-mixed-chunk" in str(e.value)
+
+
+def test_check_server_pair_warns_when_servers_differ_in_more_than_the_draft():
+    base = {"model_path": "/m", "tp_size": 8, "disable_cuda_graph": False}
+    assert check_server_pair(base, {**base, "speculative_algorithm": "EAGLE3"}) == []
+    (w,) = check_server_pair(base, {**base, "tp_size": 4, "disable_cuda_graph": True})
+    assert w.level == "warning" and "tp_size: 8 vs 4" in w.message
+    assert "disable_cuda_graph: False vs True" in w.message
+
+
+def test_check_speculative_server_warns_when_cuda_graphs_are_off():
+    (w,) = check_speculative_server({"speculative_algorithm": "EAGLE3",
+                                     "disable_cuda_graph": True}, kimi_config())
+    assert w.level == "warning" and "--disable-cuda-graph" in w.message
