@@ -313,3 +313,35 @@ def test_check_answer_rejects_answer_when_prompt_was_truncated():
     check_answer({"meta_info": {"prompt_tokens": 5, "cached_tokens": 0}}, "r", 5)
     with pytest.raises(SampleError, match="prompt_tokens"):
         check_answer({"meta_info": {"prompt_tokens": 4, "cached_tokens": 0}}, "r", 5)
+
+
+def test_extract_sglang_stops_with_rerun_advice_when_server_stays_down(
+        merged, tiny_target_dir, make_server, layers, tmp_path):
+    server = make_server(faults=Faults(pass_delay_s=0.02))
+    workdir = copy_merged(merged, tmp_path / "w")
+
+    def crash_after_some_files():
+        while len(data_files(workdir)) < 3:
+            time.sleep(0.005)
+        server.stop()
+
+    threading.Thread(target=crash_after_some_files, daemon=True).start()
+    opts = SglangOptions(server.url, server.dump_config.dump_dir, concurrency=4, poll_s=0.1,
+                         server_wait_s=0.5, retry=RetryPolicy(max_retries=0))
+    with pytest.raises(ExtractError, match="did not come back.*re-run"):
+        _library_run(workdir, tiny_target_dir, opts, layers)
+    assert 3 <= len(data_files(workdir)) < 25
+
+
+def test_check_dump_dir_refuses_when_dumps_in_flight_do_not_fit(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from eagle3 import extract
+    from eagle3.extract_sglang import check_dump_dir
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(extract.shutil, "disk_usage", lambda p: Usage(0, 0, 10 << 30))
+    # 32 dumps of 8192 tokens at 8 x 7168 bytes a token: 15 GB, more than 10 GB free
+    with pytest.raises(ExtractError, match="32 dumps in flight.*--concurrency"):
+        check_dump_dir(tmp_path, [8192] * 100, 7168, in_flight=32)
+    check_dump_dir(tmp_path, [8192] * 100, 7168, in_flight=16)  # 7.5 GB (+20%) fits
