@@ -137,7 +137,9 @@ def auto_concurrency(info: dict, mean_tokens: float) -> int:
 
 def check_answer(answer: dict, rid: str, num_tokens: int) -> None:
     """The /generate answer of a dump request: whole prompt computed, nothing cached."""
-    meta = answer.get("meta_info") or {}
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict):
+        raise SampleError(f"bad answer: no meta_info in {str(answer)[:300]}")
     if meta.get("cached_tokens", 0):
         raise ExtractError(f"request {rid}: the server reused {meta['cached_tokens']} cached "
                            "tokens, whose states are not recomputed and so not dumped. Restart "

@@ -313,6 +313,10 @@ def test_check_answer_rejects_answer_when_prompt_was_truncated():
     check_answer({"meta_info": {"prompt_tokens": 5, "cached_tokens": 0}}, "r", 5)
     with pytest.raises(SampleError, match="prompt_tokens"):
         check_answer({"meta_info": {"prompt_tokens": 4, "cached_tokens": 0}}, "r", 5)
+    with pytest.raises(SampleError, match="bad answer.*overloaded"):
+        check_answer({"error": "overloaded"}, "r", 5)
+    with pytest.raises(ExtractError, match="--disable-radix-cache"):
+        check_answer({"meta_info": {"prompt_tokens": 5, "cached_tokens": 3}}, "r", 5)
 
 
 def test_extract_sglang_stops_with_rerun_advice_when_server_stays_down(
