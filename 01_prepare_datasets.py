@@ -1,26 +1,35 @@
 #!/usr/bin/env python3
-"""Stage 01: public datasets -> conversation records, one folder per recipe dataset.
+"""Stage 01: public datasets -> conversation records and token-exact samples, per dataset.
 
-Reads a recipe from datasets/ and writes `<workdir>/01_prepared/<dataset>/conversations.jsonl`
-(OpenAI-shaped messages, stable ids) plus `quarantine.jsonl` with every rejected row and why.
+Reads a recipe from datasets/ and writes, for each of its datasets,
+`<workdir>/01_prepared/<dataset>/conversations.jsonl` (OpenAI-shaped messages, stable ids),
+`tokenized.jsonl` (datasets whose replies are kept: input_ids + loss_mask rendered with the
+target's chat template, PIPELINE.md "Records") and `quarantine.jsonl` (every rejected row and
+why). Datasets run in parallel worker processes, in chunks; killed and re-run with the same
+command, the stage continues from the finished chunks and ends with the same bytes.
 
 Tiny target (demo):
-    python 01_prepare_datasets.py --recipe datasets/demo.json --workdir runs/demo
+    python 01_prepare_datasets.py --recipe datasets/demo.json --workdir runs/demo \
+        --target runs/demo/target
 Real run:
-    python 01_prepare_datasets.py --recipe datasets/kimi_k25_mix.json --workdir runs/kimi-k25
+    python 01_prepare_datasets.py --recipe datasets/kimi_k25_mix.json --workdir runs/kimi-k25 \
+        --target /models/Kimi-K2.5 --num-workers 32
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.cli import arg, config_dict, parse_config, setup_logging
-from eagle3.prepare import prepare_dataset
+from eagle3.prepare import RenderMismatch
+from eagle3.prepare_runner import RenderSettings, open_run, run_prepare
 from eagle3.progress import format_summary, human_bytes, human_seconds
-from eagle3.recipes import load_recipe
+from eagle3.recipes import RecipeError, load_recipe
+from eagle3.sources import SourceError, describe, open_source
 from eagle3.stage import open_stage
 
 STAGE = "01_prepared"
@@ -29,31 +38,99 @@ STAGE = "01_prepared"
 @dataclass
 class PrepareConfig:
     recipe: Path = arg(help="dataset recipe JSON (see datasets/)")
+    target: Path = arg(help="target model folder: its tokenizer and chat template render "
+                            "every sample (only the tokenizer files are read)")
     workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
+    thinking: bool = arg(True, "render with thinking on, the served reasoning mode (must "
+                               "match 01b's --thinking)")
+    num_workers: int = arg(0, "worker processes (0 = one per CPU core, at most 64)")
+    chunk_size: int = arg(1000, "rows per chunk, the unit of parallel work and of resume")
+    verify_every: int = arg(100, "re-check 1 in N kept records with the exact, slow "
+                                 "tokenization; a difference stops the stage (0 = never)")
+    exact_render: bool = arg(False, "tokenize every record the exact, slow way")
     force: bool = arg(False, "redo the stage even if it is complete")
     log_level: str = arg("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError("--num-workers must be >= 0 (0 = one per CPU core)")
+        if self.chunk_size < 1:
+            raise ValueError("--chunk-size must be >= 1")
+        if self.verify_every < 0:
+            raise ValueError("--verify-every must be >= 0 (0 = never)")
+        if not (Path(self.target) / "tokenizer_config.json").is_file():
+            raise ValueError(f"--target {self.target}: no tokenizer_config.json there; point "
+                             "it at the target model folder")
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(PrepareConfig, argv, __doc__)
     setup_logging(cfg.log_level)
-    recipe = load_recipe(cfg.recipe)
+    # One tokenizer thread per worker process: the pool provides the parallelism.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        recipe = load_recipe(cfg.recipe)
+        sources = {s.name: open_source(s.path, s.hf, s.seed if s.sample == "random" else None)
+                   for s in recipe.datasets}
+    except (RecipeError, SourceError) as e:
+        print(f"01_prepare_datasets: {e}", file=sys.stderr)
+        return 2
     stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
     if stage is None:
         return 0
-    stage.add_input(cfg.recipe)
     t0 = time.time()
-    outputs = {}
+    workers = cfg.num_workers or min(64, os.cpu_count() or 1)
+    settings = RenderSettings(cfg.target, {"thinking": cfg.thinking}, None, cfg.verify_every,
+                              cfg.exact_render)
+    stage.add_input(cfg.recipe)
+    runs, outputs = [], {}
     for spec in recipe.datasets:
-        stage.add_input(spec.path)
-        outputs[spec.name] = prepare_dataset(spec, stage.dir / spec.name)
-    manifest = stage.finish(outputs={"datasets": outputs}, extra={"recipe": recipe.name})
-    rows = {f"{name} records / quarantined": f"{c['records']} / {c['quarantined']}"
-            for name, c in outputs.items()}
-    rows.update(time=human_seconds(time.time() - t0), disk=human_bytes(manifest["disk_bytes"]),
-                output=str(stage.dir))
-    print(format_summary("01 prepare datasets", rows))
+        stage.inputs.append({"dataset": spec.name, **describe(sources[spec.name])})
+        run = open_run(spec, stage.dir / spec.name, sources[spec.name], cfg.chunk_size,
+                       settings.fingerprint())
+        if isinstance(run, dict):
+            outputs[spec.name] = run
+        else:
+            runs.append(run)
+    try:
+        outputs.update(run_prepare(runs, settings, workers))
+    except RenderMismatch as e:
+        print(f"01_prepare_datasets: {e}", file=sys.stderr)
+        return 1
+    datasets = {s.name: {**outputs[s.name], **_contract(s)} for s in recipe.datasets}
+    manifest = stage.finish(outputs={"datasets": datasets}, extra={
+        "recipe": recipe.raw, "recipe_name": recipe.name,
+        "render": {"target": str(cfg.target), "template_kwargs": settings.template_kwargs,
+                   "fingerprint": settings.fingerprint()}})
+    print(format_summary("01 prepare datasets", _summary_rows(
+        datasets, time.time() - t0, manifest["disk_bytes"], stage.dir)))
     return 0
+
+
+def _contract(spec) -> dict:
+    """Fields 01b and the merge read from the manifest for each dataset."""
+    return {"regenerate": spec.regenerate, "max_seq_len": spec.max_seq_len, "mode": spec.mode,
+            "prompt_only": spec.prompt_only, "merge_cap": spec.merge_cap,
+            "merge_weight": spec.merge_weight, "overlength": spec.overlength,
+            "tokenized": "tokenized.jsonl" if spec.mode == "keep" else None}
+
+
+def _summary_rows(datasets: dict, seconds: float, disk: int, out: Path) -> dict:
+    rows = {}
+    for name, c in datasets.items():
+        top = sorted(c["quarantine_reasons"].items(), key=lambda kv: -kv[1])[:3]
+        why = ", ".join(f"{k} {v}" for k, v in top)
+        rows[name] = (f"{c['records']:,} rec ({c['mode']}), {c['samples']:,} samples, "
+                      f"{c['tokens']:,} tok, quarantined {c['quarantined']:,}"
+                      + (f" ({why})" if why else ""))
+    total_rows = sum(c["rows_read"] for c in datasets.values())
+    total_tokens = sum(c["tokens"] for c in datasets.values())
+    rows.update(records=sum(c["records"] for c in datasets.values()),
+                quarantined=sum(c["quarantined"] for c in datasets.values()),
+                rate=f"{total_rows / max(seconds, 1e-9):,.0f} rows/s, "
+                     f"{total_tokens / max(seconds, 1e-9):,.0f} tok/s",
+                time=human_seconds(seconds), disk=human_bytes(disk), output=str(out))
+    return rows
 
 
 if __name__ == "__main__":

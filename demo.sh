@@ -9,7 +9,7 @@ T=$W/target
 export PYTHONUNBUFFERED=1
 
 python -m eagle3.tiny_target --out "$T"
-python 01_prepare_datasets.py --recipe datasets/demo.json --workdir "$W"
+python 01_prepare_datasets.py --recipe datasets/demo.json --workdir "$W" --target "$T"
 python 01b_generate_synthetic.py --workdir "$W" --target "$T" --backend hf --max-new-tokens 48
 python datasets/merge_and_shuffle.py --workdir "$W" --eval-fraction 0.1
 python 02b_extract_hidden_states_sglang.py --workdir "$W" --target "$T" --backend hf

@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 """Merge stage: 01b tokenized datasets -> `01c_merged/train.jsonl` and `01c_merged/eval.jsonl`.
 
-Removes exact duplicates, drops samples over `--max-seq-len`, shuffles by seed and holds out an
-eval split chosen by record id. Writes `stats.json` (per source: records, tokens, supervised
-tokens, dropped and why, length percentiles) and prints it as a table. Outputs are written
-whole through temp files, so a killed run simply runs again.
+Drops invalid records, drops or truncates samples over `--max-seq-len` (per source, as its
+recipe entry says: `overlength`), removes exact duplicates by token hash, applies the recipe's
+per-source `merge_weight` and `merge_cap`, shuffles by seed and holds out an eval split chosen
+by conversation id. Writes `stats.json` (per source: records, tokens, supervised tokens,
+truncated, dropped and why, length percentiles), prints it as a table, and lists every dropped
+record in `quarantine.jsonl`. The recipe's fields come from `01_prepared/manifest.json`.
+Outputs are written through temp files renamed at the end, so a killed run simply runs again
+and ends with the same bytes.
 
 Tiny target (demo):
     python datasets/merge_and_shuffle.py --workdir runs/demo --eval-fraction 0.1
@@ -14,7 +18,7 @@ Real run:
 
 from __future__ import annotations
 
-import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -23,21 +27,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/ sits one level up
 
 from eagle3.cli import arg, config_dict, parse_config, setup_logging  # noqa: E402
-from eagle3.merge import collect, split_and_shuffle  # noqa: E402
-from eagle3.progress import format_summary, human_seconds  # noqa: E402
-from eagle3.stage import Quarantine, atomic_write_bytes, atomic_write_json  # noqa: E402
-from eagle3.stage import open_stage, require_upstream  # noqa: E402
+from eagle3.merge import SourcePolicy, apply_policies, dedupe, format_stats_table  # noqa: E402
+from eagle3.merge import scan, split_and_shuffle, write_split  # noqa: E402
+from eagle3.progress import format_summary, human_bytes, human_seconds  # noqa: E402
+from eagle3.stage import Quarantine, atomic_write_json, open_stage, read_manifest  # noqa: E402
+from eagle3.stage import require_upstream  # noqa: E402
 
 STAGE = "01c_merged"
 UPSTREAM = "01b_generated"
+RECIPE_STAGE = "01_prepared"
+log = logging.getLogger("merge_and_shuffle")
 
 
 @dataclass
 class MergeConfig:
     workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
-    max_seq_len: int = arg(8192, "drop samples longer than this many tokens")
-    eval_fraction: float = arg(0.02, "share of records held out for eval, by id hash (0-0.5)")
-    seed: int = arg(0, "shuffle seed")
+    max_seq_len: int = arg(8192, "tokens; longer samples are dropped or truncated, as each "
+                                 "source's recipe entry says (overlength)")
+    eval_fraction: float = arg(0.02, "share of conversations held out for eval, by id hash "
+                                     "(0-0.5)")
+    seed: int = arg(0, "seed of the shuffle and of the per-source weight/cap picks")
     allow_partial: bool = arg(False, "accept an incomplete 01b_generated folder")
     force: bool = arg(False, "redo the stage even if it is complete")
     log_level: str = arg("INFO", "logging level")
@@ -45,6 +54,20 @@ class MergeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.eval_fraction <= 0.5:
             raise ValueError("--eval-fraction must be within [0, 0.5]")
+        if self.max_seq_len < 2:
+            raise ValueError("--max-seq-len must be >= 2")
+
+
+def source_policies(workdir: Path) -> dict[str, SourcePolicy]:
+    """Each dataset's merge fields from 01's manifest (defaults when it is missing)."""
+    manifest = read_manifest(workdir / RECIPE_STAGE)
+    if manifest is None:
+        log.warning("%s has no manifest: no per-source caps, weights or truncation",
+                    workdir / RECIPE_STAGE)
+        return {}
+    datasets = manifest.get("outputs", {}).get("datasets", {})
+    return {name: SourcePolicy(d.get("merge_cap"), d.get("merge_weight", 1.0),
+                               d.get("overlength", "drop")) for name, d in datasets.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,26 +78,34 @@ def main(argv: list[str] | None = None) -> int:
     if stage is None:
         return 0
     t0 = time.time()
+    for stale in stage.dir.glob(".*.tmp"):  # temp files of a killed run
+        stale.unlink()
     files = {p.parent.name: p for p in sorted((cfg.workdir / UPSTREAM).glob("*/tokenized.jsonl"))}
     for path in files.values():
         stage.add_input(path)
-    (stage.dir / "quarantine.jsonl").unlink(missing_ok=True)
+    policies = source_policies(cfg.workdir)
+    (stage.dir / "quarantine.jsonl").unlink(missing_ok=True)  # rebuilt whole on every run
     quarantine = Quarantine(stage.dir / "quarantine.jsonl")
-    records, stats = collect(files, cfg.max_seq_len, quarantine)
+    entries, paths, stats = scan(files, cfg.max_seq_len, policies, quarantine)
+    entries = apply_policies(dedupe(entries, stats, quarantine), policies, stats, cfg.seed)
     quarantine.close()
-    train, held = split_and_shuffle(records, cfg.eval_fraction, cfg.seed)
-    for name, split in (("train", train), ("eval", held)):
-        data = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in split)
-        atomic_write_bytes(stage.dir / f"{name}.jsonl", data)
-    atomic_write_json(stage.dir / "stats.json", stats)
+    train, held = split_and_shuffle(entries, cfg.eval_fraction, cfg.seed)
+    train_tokens = write_split(stage.dir / "train.jsonl", train, paths, stats, "merge train")
+    eval_tokens = write_split(stage.dir / "eval.jsonl", held, paths, stats, "merge eval")
+    report = {s: st.to_json() for s, st in stats.items()}
+    atomic_write_json(stage.dir / "stats.json", report)
     outputs = {"train": len(train), "eval": len(held), "dropped": quarantine.count,
-               "train_tokens": sum(r["seq_len"] for r in train)}
-    stage.finish(outputs=outputs, extra={"upstream_complete": bool(upstream)})
-    rows = {f"{src}": f"{s['records']} rec, {s['tokens']} tok, {s['supervised_tokens']} sup, "
-                      f"dropped {s['dropped'] or 0}, len p50/p90/p99/max "
-                      f"{s['length_p50_p90_p99_max']}" for src, s in stats.items()}
-    rows.update(train=len(train), eval=len(held), time=human_seconds(time.time() - t0))
-    print(format_summary("merge and shuffle", rows))
+               "train_tokens": train_tokens, "eval_tokens": eval_tokens}
+    manifest = stage.finish(outputs=outputs, extra={
+        "upstream_complete": bool(upstream and upstream.get("complete")),
+        "policies": {s: p.__dict__ for s, p in policies.items()}})
+    print(format_stats_table(report))
+    print(format_summary("merge and shuffle", {
+        "train records / tokens": f"{len(train):,} / {train_tokens:,}",
+        "eval records / tokens": f"{len(held):,} / {eval_tokens:,}",
+        "dropped (quarantine.jsonl)": quarantine.count,
+        "time": human_seconds(time.time() - t0), "disk": human_bytes(manifest["disk_bytes"]),
+        "stats": str(stage.dir / "stats.json")}))
     return 0
 
 
