@@ -47,7 +47,8 @@ from eagle3.stage import atomic_write_bytes, atomic_write_json, open_stage, requ
 from eagle3.target import load_tokenizer
 
 STAGE = "05_benchmark"
-SPEC_DEFAULT = "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
+                "--speculative-num-draft-tokens 4")
 
 
 @dataclass

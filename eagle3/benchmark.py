@@ -186,7 +186,7 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, input_ids:
             else:
                 body = await resp.json(content_type=None)
                 ids, meta, ttft = body.get("output_ids") or [], body.get("meta_info", {}), None
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (aiohttp.ClientError, TimeoutError) as e:
         raise ServerError(f"{base_url}: request {rid} failed: {e!r}") from e
     return ids, meta, ttft, time.perf_counter() - t0
 

@@ -56,7 +56,7 @@ class LaunchedServer:
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting %s (log: %s)", shlex.join(self.command), self.log_path)
         with self.log_path.open("ab") as out:

@@ -22,7 +22,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 from eagle3.export import (CONFIG_KEYS, ExportError, draft_config_from_sglang, expected_tensors,
                            layer_ids_for, sglang_capture_layers)
@@ -35,8 +35,8 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 MIN_VOCAB_COVERAGE = 0.9
 # The two SGLang rules for reading eagle_aux_hidden_state_layer_ids (eagle3/export.py).
 RULE_VERSIONS = {"0.5.4.post2-0.5.12": "0.5.12", ">= 0.5.13": "0.5.13"}
-EXPORT_FIX = ("write the folder with eagle3.export.export_sglang, as 04_train.py does at the end of "
-              "training (04_train/final)")
+EXPORT_FIX = ("write the folder with eagle3.export.export_sglang, as 04_train.py does at the "
+              "end of training (04_train/final)")
 
 
 @dataclass
@@ -93,8 +93,8 @@ def check_dump_server(info: dict) -> list[Problem]:
         err("piecewise (prefill) CUDA graphs are on: start the server with "
             "--disable-piecewise-cuda-graph")
     if not info.get("skip_server_warmup", True):
-        problems.append(Problem("warning", "server warmup is on; its requests are ignored by "
-                                           "the dump (rid prefix), --skip-server-warmup saves time"))
+        problems.append(Problem("warning", "server warmup is on; its requests are ignored by the "
+                                           "dump (rid prefix), --skip-server-warmup saves time"))
     return problems
 
 
@@ -116,7 +116,8 @@ def read_tensor_shapes(draft_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]
     draft_dir = Path(draft_dir)
     index = draft_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({draft_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({draft_dir / f for f in weight_map.values()})
     else:
         files = sorted(draft_dir.glob("*.safetensors"))
     if not files:
@@ -193,9 +194,9 @@ def _check_weights(config: dict, shapes: dict, target_hidden: int | None) -> lis
                "state only" if fc[1][-1] == hidden else "")
         problems.append(Problem("error", f"fc.weight is {list(fc[1])}: its input is "
                                 f"{fc[1][-1]} wide{why}; an EAGLE-3 draft for a {hidden}-wide "
-                                f"target reads the 3 aux states concatenated, [{config['hidden_size']}"
-                                f", {3 * hidden}]. Retrain on 02b's aux states (three capture "
-                                "layers) with 04_train.py"))
+                                "target reads the 3 aux states concatenated, "
+                                f"[{config['hidden_size']}, {3 * hidden}]. Retrain on 02b's aux "
+                                "states (three capture layers) with 04_train.py"))
     unknown = sorted(set(shapes) - set(expected))
     for name, shape in expected.items():
         if name == "fc.weight" and fc_width_wrong:
@@ -285,7 +286,8 @@ def check_speculative_server(info: dict, draft_config: dict | None = None,
                   "hidden state instead of three, fc is skipped and d2t ignored: acceptance "
                   "collapses to about 1" if algo == "EAGLE" else "")
         problems.append(Problem("error", f"speculative_algorithm={algo!r} with an EAGLE-3 draft"
-                                f"{effect}. Restart the server with --speculative-algorithm EAGLE3"))
+                                f"{effect}. Restart the server with "
+                                "--speculative-algorithm EAGLE3"))
     served = info.get("speculative_draft_model_path")
     if draft_dir is not None and served and Path(served).name != Path(draft_dir).name:
         problems.append(Problem("warning", f"the server serves the draft {served}, the check "

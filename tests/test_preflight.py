@@ -48,7 +48,8 @@ def write_sparse_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int
         size = DTYPE_BYTES[dtype]
         for d in shape:
             size *= d
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
