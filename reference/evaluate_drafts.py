@@ -1,0 +1,165 @@
+"""Many drafts against one target on the same held-out prompts, with the production evaluator.
+
+Stage 05 measures one draft per run and decodes the plain baseline every time; the sweeps of the
+reference benchmark (data sizes, epochs, bf16 vs fp8 states, the controls) compare a dozen drafts
+on the same prompts, so this module loads the target once, decodes each baseline once (cached on
+disk) and runs `eagle3.evaluate.speculative_decode` -- the code 05 runs -- for every draft.
+Every result is one JSON file under the cache folder, so an interrupted sweep resumes.
+
+Results per draft and step count: acceptance length (committed tokens / verify passes),
+per-position acceptance, speculative tok/s and speedup over the plain decoding of the same
+prompts, lossless mismatches (temperature 0) and the loop share of the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3.benchmark import per_position_rates
+from eagle3.chat import ChatRenderer
+from eagle3.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
+                             speculative_decode)
+from eagle3.export import load_draft
+from eagle3.progress import progress
+from eagle3.records import read_jsonl
+from eagle3.stage import atomic_write_json
+from eagle3.target import load_embedding, load_hf_model, load_tokenizer
+from reference.controls import FinalStateProposer, final_state_layers, shifted_layers
+from reference.loop_share import loop_stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSpec:
+    """One draft evaluation."""
+
+    name: str
+    draft: Path
+    steps: list[int] = field(default_factory=lambda: [3])
+    temperature: float = 0.0
+    num_prompts: int = 16
+    max_new_tokens: int = 160
+    control: str = ""  # "" | "final_state" | "shifted_layers" (reference.controls)
+
+
+def load_prompts(eval_jsonl: Path) -> list[list[int]]:
+    """Serving prompts of merged records, as stage 05 takes them (ids before the reply)."""
+    return [r["input_ids"][: r["n_prompt_tokens"]] for r in read_jsonl(eval_jsonl)]
+
+
+class DraftEvaluator:
+    """One target in memory; drafts evaluated against it on the first N of `prompts`."""
+
+    def __init__(self, target: Path, prompts: list[list[int]], cache_dir: Path,
+                 device: str = "cpu", dtype: str = "float32", seed: int = 0):
+        self.target, self.prompts, self.cache_dir = Path(target), prompts, Path(cache_dir)
+        self.device, self.dtype, self.seed = device, getattr(torch, dtype), seed
+        self.model = load_hf_model(target, dtype, device)
+        self.embed = load_embedding(target).to(device, self.dtype)
+        self.eos = {ChatRenderer(load_tokenizer(target)).end_of_turn_id}
+        self.num_layers = self.model.config.num_hidden_layers
+
+    def _generator(self, k: int, temperature: float):
+        return torch.Generator().manual_seed(self.seed * 100_003 + k) if temperature else None
+
+    def baseline(self, num_prompts: int, max_new: int, temperature: float) -> dict:
+        """Plain decoding of the first `num_prompts` prompts (cached): outputs, tok/s, loops."""
+        path = self.cache_dir / f"baseline_p{num_prompts}_n{max_new}_t{temperature:g}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        outputs, seconds = [], 0.0
+        bar = progress(total=num_prompts, desc=f"plain decoding t={temperature:g}", unit="prompt")
+        for k, prompt in enumerate(self.prompts[:num_prompts]):
+            res = autoregressive_decode(TargetRunner(self.model, [0]), prompt, max_new, self.eos,
+                                        temperature, self._generator(k, temperature))
+            outputs.append(res.output_ids)
+            seconds += res.seconds
+            bar.update(1)
+        bar.close()
+        tokens = sum(len(o) for o in outputs)
+        out = {"prompts": num_prompts, "max_new_tokens": max_new, "temperature": temperature,
+               "tokens": tokens, "seconds": seconds, "tok_s": tokens / max(seconds, 1e-9),
+               "seconds_per_token": seconds / max(tokens, 1),
+               "loop": loop_stats(outputs, self.eos).to_dict(), "output_ids": outputs}
+        atomic_write_json(path, out)
+        return out
+
+    def _proposer(self, spec: EvalSpec):
+        """(proposer, capture layers the target hands it) for a spec's draft and control."""
+        draft = load_draft(spec.draft, self.device, self.dtype)
+        if spec.control == "final_state":
+            return FinalStateProposer(draft, self.embed), final_state_layers(self.num_layers)
+        proposer = Eagle3Proposer(draft, self.embed)
+        if spec.control == "shifted_layers":
+            return proposer, shifted_layers(draft.cfg.capture_layers)
+        if spec.control:
+            raise ValueError(f"unknown control {spec.control!r}")
+        return proposer, list(draft.cfg.capture_layers)
+
+    def run(self, spec: EvalSpec) -> dict:
+        """Evaluate one spec (cached by name); returns its result."""
+        path = self.cache_dir / f"eval_{spec.name}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        base = self.baseline(spec.num_prompts, spec.max_new_tokens, spec.temperature)
+        proposer, capture = self._proposer(spec)
+        out = {**asdict(spec), "draft": str(spec.draft), "capture_layers": capture,
+               "baseline_tok_s": base["tok_s"], "baseline_loop_share": base["loop"]["share"],
+               "steps": {}}
+        for steps in spec.steps:
+            out["steps"][str(steps)] = self._run_steps(spec, proposer, capture, steps, base)
+        atomic_write_json(path, out)
+        return out
+
+    def _run_steps(self, spec: EvalSpec, proposer, capture, steps: int, base: dict) -> dict:
+        results, t0 = [], time.perf_counter()
+        bar = progress(total=spec.num_prompts, desc=f"{spec.name} steps {steps}", unit="prompt")
+        for k, prompt in enumerate(self.prompts[: spec.num_prompts]):
+            results.append(speculative_decode(
+                self.model, proposer, prompt, spec.max_new_tokens, self.eos, steps, capture,
+                spec.temperature, self._generator(k, spec.temperature)))
+            bar.update(1)
+        bar.close()
+        lengths = [a for r in results for a in r.accept_lengths]
+        tokens = sum(len(r.output_ids) for r in results)
+        seconds = sum(r.seconds for r in results)
+        outputs = [r.output_ids for r in results]
+        mismatches = (sum(o != g for o, g in zip(outputs, base["output_ids"]))
+                      if spec.temperature == 0 else None)
+        return {"acceptance_length": sum(lengths) / max(len(lengths), 1),
+                "verify_passes": len(lengths),
+                "per_position_acceptance": per_position_rates(lengths, steps),
+                "tok_s": tokens / max(seconds, 1e-9),
+                "speedup": (tokens / max(seconds, 1e-9)) / base["tok_s"],
+                "lossless_mismatches": mismatches, "tokens": tokens,
+                "loop": loop_stats(outputs, self.eos).to_dict(),
+                "wall_s": time.perf_counter() - t0, "output_ids": outputs}
+
+
+def probe_seconds_per_token(target: Path, prompts_jsonl: Path, workdir: Path, device: str,
+                            dtype: str, tokens: int = 48, warmup: int = 8) -> float:
+    """Seconds per token of plain batch-1 decoding of the target (the first held-out prompt)."""
+    from eagle3.prompts import load_prompt_set
+
+    model = load_hf_model(target, dtype, device)
+    renderer = ChatRenderer(load_tokenizer(target))
+    prompt = load_prompt_set(str(prompts_jsonl), workdir, renderer, 1).prompts[0]
+    autoregressive_decode(TargetRunner(model, [0]), prompt, warmup, set())  # warm up kernels
+    res = autoregressive_decode(TargetRunner(model, [0]), prompt, tokens, set())
+    del model
+    return res.seconds / max(len(res.output_ids), 1)
+
+
+def estimate_seconds(spec: EvalSpec, seconds_per_token: float, acceptance: float = 2.0) -> float:
+    """Rough time of a spec from the plain decoding cost of one token (for the time budget):
+    each verify pass costs about one target pass plus `steps` draft passes at ~1/4 of one."""
+    tokens = spec.num_prompts * spec.max_new_tokens
+    passes = sum(tokens / acceptance * (1 + 0.25 * s) for s in spec.steps)
+    return passes * seconds_per_token

@@ -1,0 +1,267 @@
+"""The reference benchmark's results: one `summary.json` (every figure, raw) and `summary.md`
+(the tables of BENCHMARKS.md, "GPU reference pipeline"), assembled from the work folder.
+
+Everything is read back from files the run left (stage manifests, the runner's stage records,
+the 05 results, the sweep results), so the report can be rebuilt at any time:
+
+    python -m reference.report /tmp/ref        # rewrites /tmp/ref/results/summary.{json,md}
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+from eagle3.progress import human_bytes
+from eagle3.records import read_jsonl
+from eagle3.stage import atomic_write_bytes, atomic_write_json, read_manifest
+
+GiB = 2**30
+
+
+def _read(path: Path):
+    return json.loads(Path(path).read_text()) if Path(path).exists() else None
+
+
+def _strip_ids(obj):
+    """A copy without per-token lists (output ids, accept lengths): the summary stays small."""
+    if isinstance(obj, dict):
+        return {k: _strip_ids(v) for k, v in obj.items()
+                if k not in ("output_ids", "outputs", "baseline_outputs", "accept_lengths")}
+    if isinstance(obj, list):
+        return [_strip_ids(v) for v in obj]
+    return obj
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "device": "cpu"}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def split_tokens(workdir: Path) -> dict:
+    """Tokens of a merged folder: all, and supervised (the target's own reply tokens)."""
+    out = {"samples": 0, "tokens": 0, "response_tokens": 0}
+    for split in ("train", "eval"):
+        path = Path(workdir) / "01c_merged" / f"{split}.jsonl"
+        if path.exists():
+            for r in read_jsonl(path):
+                out["samples"] += 1
+                out["tokens"] += r["seq_len"]
+                out["response_tokens"] += r["n_response_tokens"]
+    return out
+
+
+def stage_throughput(record: dict, workdir: Path) -> dict:
+    """Rate of one stage from its record and the data it processed."""
+    stage, wall = record["stage"], max(record.get("wall_s") or 0.0, 1e-9)
+    m = record.get("manifest") or {}
+    out = {}
+    if stage in ("01b", "02b", "04"):
+        tok = split_tokens(workdir)
+        if stage == "01b":
+            gen = sum(r["n_response_tokens"] for p in
+                      (Path(workdir) / "01b_generated").glob("*/tokenized.jsonl")
+                      for r in read_jsonl(p))
+            out = {"generated_tokens": gen, "generated_tok_s": gen / wall}
+        elif stage == "02b":
+            out = {"tokens": tok["tokens"], "tok_s": tok["tokens"] / wall,
+                   "bytes_per_token": (m.get("disk_bytes") or 0) / max(tok["tokens"], 1)}
+        else:
+            trained = (m.get("outputs") or {}).get("tokens")
+            out = {"tokens_trained": trained, "tok_s": (trained or 0) / wall}
+    return out
+
+
+def bench_summary(results: dict | None) -> dict | None:
+    """The 05 figures (hf backend) with the loop share of its outputs."""
+    from reference.loop_share import loop_stats
+
+    if not results:
+        return None
+    out = {"temperature": results.get("temperature"), "layers": results.get("layers"),
+           "preflight": results.get("preflight"), "sets": {}}
+    for name, r in (results.get("prompt_sets") or {}).items():
+        base = r.get("baseline_outputs")
+        entry = {"prompts": r.get("prompts"), "baseline_tok_s": r.get("baseline_tok_s"),
+                 "baseline_tokens": r.get("baseline_tokens"),
+                 "baseline_loop": loop_stats(base).to_dict() if base else None, "steps": {}}
+        for s, m in (r.get("steps") or {}).items():
+            entry["steps"][s] = {**_strip_ids(m),
+                                 "loop": loop_stats(m["outputs"]).to_dict()
+                                 if m.get("outputs") else None}
+        out["sets"][name] = entry
+    return out
+
+
+def collect(workdir: Path, profile: str) -> dict:
+    """Every figure of the run, from the files in `workdir`."""
+    w = Path(workdir)
+    res = w / "results"
+    stages = _read(res / "stages.json") or {}
+    for record in stages.values():
+        record["throughput"] = stage_throughput(record, Path(record["workdir"]))
+    target = (_read(w / "target" / "reference_target.json") or {}).get("summary")
+    sweeps = {p.stem[len("eval_"):]: _strip_ids(_read(p))
+              for p in sorted((res / "evals").glob("eval_*.json"))}
+    baselines = {p.stem: _strip_ids(_read(p)) for p in sorted((res / "evals").glob("baseline_*"))}
+    return {"profile": profile, "environment": environment(),
+            "corpus": _read(w / "corpus" / "corpus.json"), "target": target,
+            "data": {"main": split_tokens(w / "main")}, "stages": stages,
+            "bench": {t: bench_summary(_read(w / f"bench_{t}" / "05_benchmark" / "results.json"))
+                      for t in ("t0", "t1")},
+            "sweeps": sweeps, "baselines": baselines, "controls": _read(res / "controls.json"),
+            "epoch_metrics": _epoch_metrics(w / "main" / "04_train" / "metrics.jsonl"),
+            "state": _read(res / "state.json")}
+
+
+def _epoch_metrics(path: Path) -> list[dict]:
+    """04's own evaluations (eval loss, per-step accuracy, simulated acceptance) by step."""
+    if not path.exists():
+        return []
+    return [{k: r[k] for k in ("step", "eval_acc", "eval_sim_accept") if k in r}
+            for r in read_jsonl(path) if "eval_sim_accept" in r]
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _f(x, fmt="{:.3f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def _rates(rates) -> str:
+    return " / ".join(f"{r:.2f}" for r in rates or [])
+
+
+def _target_md(s: dict) -> list[str]:
+    t = s.get("target") or {}
+    p = t.get("parameters") or {}
+    c = s.get("corpus") or {}
+    env = s["environment"]
+    return [f"Environment: {env['device']}, python {env['python']}, torch {env['torch']}, "
+            f"transformers {env['transformers']} (profile `{s['profile']}`).", "",
+            f"Corpus: {c.get('files_train')} train / {c.get('files_heldout')} held-out stdlib "
+            f"files (python {c.get('python')}), {c.get('samples_train')} train samples, "
+            f"{c.get('samples_pipeline')} handed to 01, {c.get('samples_heldout')} held-out "
+            "prompts.", "",
+            f"Target: DeepseekV3ForCausalLM, {t.get('shape', {}).get('num_hidden_layers')} "
+            f"layers, {_f(p.get('total'), '{:,}')} parameters ({_f(p.get('active_per_token'), '{:,}')}"
+            f" active per token without the embedding), vocab {t.get('vocab_size')}; trained "
+            f"{_f(t.get('train_seconds'), '{:.0f}')} s, {_f(t.get('tokens'), '{:,}')} tokens "
+            f"({t.get('epochs')} epochs of {_f(t.get('corpus_tokens'), '{:,}')}), "
+            f"{_f(t.get('tokens_per_s'), '{:,.0f}')} tok/s, peak "
+            f"{_f((t.get('peak_gpu_bytes') or 0) / GiB, '{:.1f}')} GiB; final train loss (EMA) "
+            f"{_f(t.get('final_train_loss_ema'))}, held-out loss {_f(t.get('heldout_loss'))}.", ""]
+
+
+def _stages_md(s: dict) -> list[str]:
+    lines = ["| step | wall s | rate | disk | bytes/token | peak GPU GiB |",
+             "|---|---|---|---|---|---|"]
+    for label, r in s["stages"].items():
+        th = r.get("throughput") or {}
+        rate = ("{:,.0f} gen tok/s".format(th["generated_tok_s"]) if "generated_tok_s" in th
+                else "{:,.0f} tok/s".format(th["tok_s"]) if th.get("tok_s") else "–")
+        disk = (r.get("manifest") or {}).get("disk_bytes")
+        lines.append(f"| {label} | {r['wall_s']:.1f} | {rate} | "
+                     f"{human_bytes(disk) if disk else '–'} | "
+                     f"{_f(th.get('bytes_per_token'), '{:,.0f}')} | "
+                     f"{(r.get('peak_gpu_bytes') or 0) / GiB:.2f} |")
+    return lines + [""]
+
+
+def _bench_md(s: dict) -> list[str]:
+    lines = ["| temperature | steps | acceptance length (ceiling) | per-position acceptance | "
+             "spec tok/s | target tok/s | speedup | loop share (target / spec) | lossless |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for t, b in s["bench"].items():
+        for name, r in ((b or {}).get("sets") or {}).items():
+            base_loop = (r.get("baseline_loop") or {}).get("share")
+            for st, m in r["steps"].items():
+                mism = m.get("lossless_mismatches")
+                lines.append(
+                    f"| {b.get('temperature')} | {st} | {m['acceptance_length']:.3f} "
+                    f"({int(st) + 1}) | {_rates(m.get('per_position_acceptance'))} | "
+                    f"{m['tok_s']:.1f} | {_f(r.get('baseline_tok_s'), '{:.1f}')} | "
+                    f"{m['speedup']:.2f} | {_f(base_loop, '{:.3f}')} / "
+                    f"{_f((m.get('loop') or {}).get('share'), '{:.3f}')} | "
+                    f"{'n/a' if mism is None else ('yes' if mism == 0 else f'{mism} differ')} |")
+    return lines + [""]
+
+
+def _sweep_md(s: dict, names: list[tuple[str, str]]) -> list[str]:
+    lines = ["| draft | steps | acceptance length | per-position acceptance | loop share | "
+             "prompts x tokens |", "|---|---|---|---|---|---|"]
+    for label, key in names:
+        r = s["sweeps"].get(key)
+        if not r:
+            lines.append(f"| {label} | – | not run | | | |")
+            continue
+        for st, m in r["steps"].items():
+            lines.append(f"| {label} | {st} | {m['acceptance_length']:.3f} | "
+                         f"{_rates(m.get('per_position_acceptance'))} | "
+                         f"{(m.get('loop') or {}).get('share', 0):.3f} | "
+                         f"{r['num_prompts']} x {r['max_new_tokens']} |")
+    return lines + [""]
+
+
+def _controls_md(s: dict) -> list[str]:
+    c = s.get("controls") or {}
+    lines = ["| control | acceptance length @3 | same prompts, correct draft | detected by | "
+             "detected |", "|---|---|---|---|---|"]
+    ref = (s["sweeps"].get("control_reference") or {}).get("steps", {}).get("3", {})
+    for name in ("final_state", "shifted_layers"):
+        ev = (s["sweeps"].get(f"control_{name}") or {}).get("steps", {}).get("3", {})
+        det = c.get(name) or {}
+        lines.append(f"| {name} | {_f(ev.get('acceptance_length'))} | "
+                     f"{_f(ref.get('acceptance_length'))} | {det.get('check', '–')} | "
+                     f"{det.get('detected', '–')} |")
+    return lines + [""]
+
+
+def markdown(s: dict) -> str:
+    sizes = sorted((k for k in s["sweeps"] if k.startswith("size_")),
+                   key=lambda k: int(k.split("_")[1]))
+    epochs = sorted((k for k in s["sweeps"] if k.startswith("epoch_")),
+                    key=lambda k: int(k.split("_")[1]))
+    out = ["### Reference target", "", *_target_md(s),
+           "### Stages (time, throughput, disk, peak GPU memory)", "", *_stages_md(s),
+           "### Acceptance on held-out prompts (05, offline hf evaluator)", "", *_bench_md(s),
+           "### bf16 vs fp8-stored hidden states (same run, same prompts)", "",
+           *_sweep_md(s, [("bf16 states", "main"), ("fp8 states", "fp8")]),
+           "### Acceptance vs training data size", "",
+           *_sweep_md(s, [(k.replace("_", " ") + " samples", k) for k in sizes]
+                      + [("all samples", "main")]),
+           "### Acceptance vs epochs", "",
+           *_sweep_md(s, [(k.replace("_", " "), k) for k in epochs]
+                      + [("final epoch", "main")]),
+           "04's own per-epoch evaluation (simulated acceptance): "
+           + ", ".join(f"step {m['step']}: {m['eval_sim_accept']:.2f}"
+                       for m in s.get("epoch_metrics") or []), "",
+           "### Controls (must collapse, must be detected)", "", *_controls_md(s)]
+    skipped = (s.get("state") or {}).get("skipped") or {}
+    if skipped:
+        out += ["Skipped (time budget): " + "; ".join(f"{k}: {v}" for k, v in skipped.items()),
+                ""]
+    return "\n".join(out)
+
+
+def write_report(workdir: Path, profile: str) -> dict:
+    summary = collect(workdir, profile)
+    res = Path(workdir) / "results"
+    atomic_write_json(res / "summary.json", summary)
+    atomic_write_bytes(res / "summary.md", markdown(summary).encode())
+    return summary
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    state = _read(Path(sys.argv[1]) / "results" / "state.json") or {}
+    write_report(Path(sys.argv[1]), state.get("profile", "?"))

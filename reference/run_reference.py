@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""GPU reference benchmark: a small real target trained here, then the whole pipeline against it.
+
+Phases (each one command of under 10 minutes on one H200; each resumes from what the previous
+left in --workdir, which must therefore stay on the same machine):
+
+    1  corpus (stdlib as chat samples) -> reference target (tokenizer + DeepSeek-V3 MoE, trained
+       a few minutes) -> 01 -> 01b (hf, greedy regeneration) -> merge; 01 of the held-out prompts
+    2  02b (hf, bf16 states) -> 03 -> 04 (checkpoint every epoch) -> 05 (hf, temperature 0, held-out
+       prompts, chains of 3 and 7); then, time allowing: 02b fp8 + 04, and the data-size runs
+       (02b + 03 + 04 on the first 1/4 and 1/2 of the merged train split)
+    3  sweeps with the production evaluator on the same held-out prompts: the final draft
+       (bf16 states; chains 3 and 7), the two controls and their detection by the preflight,
+       05 at temperature 1, fp8 states, data sizes, epochs
+
+Every stage is the production script's own `main` (see reference/stages.py). Optional work is
+started only while the command's time budget (--deadline-s) allows; what was left out is listed
+in the summary and done by running the phase again. Results: <workdir>/results/summary.{md,json}
+(plus raw JSON), copied to --out (default $OUT) at the end of every command.
+
+H200 (three commands, back to back on the same machine):
+    PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 1 --workdir /tmp/ref --out $OUT
+    PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 2 --workdir /tmp/ref --out $OUT
+    PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 3 --workdir /tmp/ref --out $OUT
+CPU smoke (every phase at toy sizes, about a minute):
+    python reference/run_reference.py --profile smoke --phase 1 2 3 --workdir /tmp/ref-smoke
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/, reference/
+
+from eagle3.cli import arg, config_dict, parse_config, setup_logging  # noqa: E402
+from eagle3.progress import format_summary, human_seconds  # noqa: E402
+from eagle3.stage import atomic_write_json  # noqa: E402
+from reference.report import write_report  # noqa: E402
+from reference.stages import StageRunner  # noqa: E402
+from reference.steps import PhaseSteps  # noqa: E402
+
+log = logging.getLogger("reference")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Every size of a reference run (flags are passed to the scripts as written)."""
+
+    device: str
+    corpus: tuple[str, ...]  # reference/build_corpus.py
+    target: tuple[str, ...]  # reference/train_target.py
+    prepare: tuple[str, ...]  # 01
+    generate: tuple[str, ...]  # 01b
+    merge: tuple[str, ...]  # datasets/merge_and_shuffle.py
+    extract: tuple[str, ...]  # 02b (both storage dtypes)
+    draft_vocab: int  # 03
+    train: tuple[str, ...]  # 04, besides epochs / packing / checkpoint cadence
+    epochs: int
+    train_max_seq_len: int  # 04 --max-seq-len (samples are shorter: merge drops longer ones)
+    pack_tokens: int  # 04 --pack-tokens: tokens per packed row (one micro-batch)
+    eval_dtype: str  # 05 and the sweeps: float32 keeps the lossless check exact
+    bench_prompts: int  # 05: held-out prompts x tokens
+    bench_max_new: int
+    sweep_prompts: int  # sweeps: held-out prompts x tokens
+    sweep_max_new: int
+    control_prompts: int
+    control_max_new: int
+    size_fractions: tuple[float, ...]  # data-size study: shares of the merged train split
+    deadline_s: float  # per command: no optional work is started past it
+
+
+PROFILES = {
+    "h200": Profile(
+        device="cuda", corpus=("--pipeline-samples", "3000"),
+        target=("--preset", "ref-100m", "--train-seconds", "180", "--batch-size", "64",
+                "--seq-len", "1024", "--lr", "1e-3"),
+        prepare=(),
+        generate=("--max-new-tokens", "192", "--batch-size", "256", "--dtype", "bfloat16"),
+        merge=("--eval-fraction", "0.03", "--max-seq-len", "1024"),
+        extract=("--model-dtype", "bfloat16", "--max-batch-tokens", "65536"),
+        draft_vocab=4096,
+        train=("--lr", "1e-3", "--num-workers", "6", "--max-eval-samples", "64",
+               "--log-every", "20"),
+        epochs=5, train_max_seq_len=1024, pack_tokens=8192, eval_dtype="float32", bench_prompts=24, bench_max_new=192,
+        sweep_prompts=16, sweep_max_new=160, control_prompts=8, control_max_new=96,
+        size_fractions=(0.25, 0.5), deadline_s=540.0),
+    "smoke": Profile(
+        device="cpu",
+        corpus=("--max-files", "10", "--pipeline-samples", "16", "--heldout-share", "0.3",
+                "--max-context-chars", "300", "--min-continuation-chars", "60",
+                "--max-continuation-chars", "200"),
+        target=("--preset", "smoke", "--train-seconds", "3", "--batch-size", "8",
+                "--seq-len", "128", "--log-every", "10"),
+        prepare=("--num-workers", "1"),
+        generate=("--max-new-tokens", "16", "--batch-size", "16"),
+        merge=("--eval-fraction", "0.2", "--max-seq-len", "1024"),
+        extract=(), draft_vocab=128,
+        train=("--lr", "1e-3", "--num-workers", "0", "--max-eval-samples", "2",
+               "--log-every", "5", "--ttt-steps", "3"),
+        epochs=2, train_max_seq_len=256, pack_tokens=256, eval_dtype="float32",
+        bench_prompts=2, bench_max_new=16, sweep_prompts=2, sweep_max_new=16,
+        control_prompts=2, control_max_new=8, size_fractions=(0.25, 0.5), deadline_s=3600.0),
+}
+OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
+             "results/stages.json": "stages.json", "results/controls.json": "controls.json",
+             "bench_t0/05_benchmark/results.json": "bench_t0_results.json",
+             "bench_t1/05_benchmark/results.json": "bench_t1_results.json",
+             "results/run.log": "run.log"}
+
+
+@dataclass
+class ReferenceConfig:
+    workdir: Path = arg(help="work folder of the whole reference run (keep it for all phases)")
+    phase: list[int] = arg([1, 2, 3], "phases to run, in order (see the module doc)")
+    profile: str = arg("h200", "sizes: h200 (the GPU run) or smoke (CPU, toy sizes)",
+                       choices=sorted(PROFILES))
+    out: Path | None = arg(None, "copy the summary and raw JSON here at the end (default: $OUT "
+                                 "when set; nothing when neither)")
+    deadline_s: float = arg(0.0, "seconds after which this command starts no optional work "
+                                 "(0 = the profile's)")
+    log_level: str = arg("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        if not self.phase or any(p not in (1, 2, 3) for p in self.phase):
+            raise ValueError("--phase takes 1, 2 and/or 3")
+
+
+def copy_out(workdir: Path, out: Path) -> list[str]:
+    """Copy the summary files to `out/reference/` (flat: the device returns few, shallow files)."""
+    dest = Path(out) / "reference"
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for src, name in OUT_FILES.items():
+        if (Path(workdir) / src).is_file():
+            shutil.copyfile(Path(workdir) / src, dest / name)
+            copied.append(name)
+    return copied
+
+
+def _log_to_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(ReferenceConfig, argv, __doc__)
+    setup_logging(cfg.log_level)
+    profile = PROFILES[cfg.profile]
+    out = cfg.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    workdir = cfg.workdir.resolve()
+    _log_to_file(workdir / "results" / "run.log")
+    log.info("reference run %s, phases %s, profile %s: %s", workdir, cfg.phase, cfg.profile,
+             json.dumps(config_dict(cfg)))
+    deadline = cfg.deadline_s or profile.deadline_s
+    steps = PhaseSteps(workdir, cfg.profile, profile, StageRunner(workdir / "results"),
+                       time.time() + deadline)
+    t0, ok = time.time(), False
+    try:
+        for phase in cfg.phase:
+            steps.run_phase(phase)
+        ok = True
+    finally:
+        summary = write_report(workdir, cfg.profile)
+        copied = copy_out(workdir, out) if out else []
+        atomic_write_json(workdir / "results" / "state.json", steps.state)
+        rows = {"phases": str(cfg.phase), "complete": ok, "time": human_seconds(time.time() - t0),
+                "skipped (time)": ", ".join(steps.state["skipped"]) or "none",
+                "summary": str(workdir / "results" / "summary.md"),
+                "copied to": f"{out}/reference: {', '.join(copied)}" if out else "-"}
+        for t, b in summary["bench"].items():
+            for name, r in ((b or {}).get("sets") or {}).items():
+                for s, m in r["steps"].items():
+                    rows[f"05 {t} {name} steps {s}"] = f"acceptance {m['acceptance_length']:.3f}"
+        print(format_summary("reference benchmark", rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

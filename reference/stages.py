@@ -1,0 +1,208 @@
+"""The production scripts run in-process for the reference benchmark, timed and recorded.
+
+Each stage is the numbered script's own `main(argv)` (imported from its file, `sys.argv` set
+to the command line so the manifest records it), so the benchmark runs exactly the code a user
+runs, without paying interpreter and import start-up per stage on the GPU machine. Around each
+call the runner records wall time and the peak GPU memory torch allocated; the stage's manifest
+gives its own time, disk and outputs. A stage whose manifest is already complete is not called
+again (the stage itself would be a no-op), so a re-run phase resumes where it stopped.
+
+Also: work folders that share upstream stages through symlinks (one 05 run per folder), a
+subset of the merged data for the data-size study, and exporting a 04 checkpoint as a draft.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3.stage import MANIFEST, atomic_write_json, read_manifest
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {"01": "01_prepare_datasets.py", "01b": "01b_generate_synthetic.py",
+           "merge": "datasets/merge_and_shuffle.py", "02b": "02b_extract_hidden_states_sglang.py",
+           "03": "03_build_vocab_mapping.py", "04": "04_train.py", "05": "05_benchmark.py"}
+STAGE_DIRS = {"01": "01_prepared", "01b": "01b_generated", "merge": "01c_merged",
+              "02b": "02b_hidden_states", "03": "03_vocab", "04": "04_train", "05": "05_benchmark"}
+_MODULES: dict[str, object] = {}
+
+
+class StageFailed(RuntimeError):
+    """A production stage exited with an error; the message names it and its command line."""
+
+
+def script_module(stage: str):
+    """The script of `stage` imported from its file (scripts are not a package)."""
+    if stage not in _MODULES:
+        path = ROOT / SCRIPTS[stage]
+        spec = importlib.util.spec_from_file_location(f"_pipeline_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+        spec.loader.exec_module(module)
+        _MODULES[stage] = module
+    return _MODULES[stage]
+
+
+def script_fields(stage: str) -> set[str]:
+    """Flag names (dataclass fields) the script of `stage` accepts today."""
+    import dataclasses
+
+    module = script_module(stage)
+    configs = [v for v in vars(module).values()
+               if dataclasses.is_dataclass(v) and v.__name__.endswith("Config")]
+    return {f.name for c in configs for f in dataclasses.fields(c)}
+
+
+@dataclass
+class StageRecord:
+    label: str
+    stage: str
+    workdir: str
+    command: str
+    rc: int = 0
+    wall_s: float = 0.0
+    peak_gpu_bytes: int = 0
+    manifest: dict = field(default_factory=dict)
+
+
+def _manifest_summary(m: dict | None) -> dict:
+    if not m:
+        return {}
+    return {k: m.get(k) for k in ("seconds", "disk_bytes", "outputs", "started", "finished",
+                                  "complete", "capture_layers", "hidden_size")}
+
+
+class StageRunner:
+    """Runs stages and keeps their records in `<results>/stages.json` (by label)."""
+
+    def __init__(self, results_dir: Path):
+        self.path = Path(results_dir) / "stages.json"
+        self.records: dict[str, dict] = (json.loads(self.path.read_text())
+                                         if self.path.exists() else {})
+
+    def run(self, label: str, stage: str, workdir: Path, args: list,
+            ok_codes: tuple[int, ...] = (0,)) -> dict:
+        """Run `stage` on `workdir` with `args` (unless already complete); returns its record."""
+        stage_dir = Path(workdir) / STAGE_DIRS[stage]
+        manifest = read_manifest(stage_dir)
+        if manifest and manifest.get("complete") and label in self.records:
+            log.info("%s: %s already complete, skipped", label, stage_dir)
+            return self.records[label]
+        argv = ["--workdir", str(workdir), *map(str, args)]
+        command = " ".join(["python", SCRIPTS[stage], *argv])
+        log.info("%s: %s", label, command)
+        rc, wall, peak = self._timed(lambda: self._main(stage, argv))
+        return self._record(StageRecord(label, stage, str(workdir), command, rc, wall, peak,
+                                        _manifest_summary(read_manifest(stage_dir))), ok_codes)
+
+    def run_callable(self, label: str, fn, command: str, workdir: Path) -> dict:
+        """Run a step of the benchmark's own (corpus, target) with the same bookkeeping."""
+        if self.records.get(label, {}).get("rc") == 0:
+            return self.records[label]
+        log.info("%s: %s", label, command)
+        rc, wall, peak = self._timed(fn)
+        return self._record(StageRecord(label, "reference", str(workdir), command, rc, wall,
+                                        peak), (0,))
+
+    def _record(self, record: StageRecord, ok_codes: tuple[int, ...]) -> dict:
+        self.records[record.label] = asdict(record)
+        atomic_write_json(self.path, self.records)
+        if record.rc not in ok_codes:
+            raise StageFailed(f"{record.label}: `{record.command}` exited with {record.rc}")
+        return self.records[record.label]
+
+    @staticmethod
+    def _main(stage: str, argv: list[str]) -> int:
+        saved, sys.argv = sys.argv, [SCRIPTS[stage], *argv]
+        try:
+            return script_module(stage).main(argv) or 0
+        finally:
+            sys.argv = saved
+
+    @staticmethod
+    def _timed(fn) -> tuple[int, float, int]:
+        """(exit code, wall seconds, peak GPU bytes allocated) of `fn()`."""
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            rc = fn() or 0
+        except SystemExit as e:  # argparse errors and scripts that exit
+            rc = e.code if isinstance(e.code, int) else 1
+        wall = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        return rc, wall, peak
+
+
+# ---------------------------------------------------------------- work folders
+
+
+def linked_workdir(workdir: Path, links: dict[str, Path]) -> Path:
+    """A work folder whose upstream stage folders are symlinks to existing ones."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name, target in links.items():
+        link = workdir / name
+        if link.is_symlink() or link.exists():
+            if link.resolve() == Path(target).resolve():
+                continue
+            raise FileExistsError(f"{link} exists and is not a link to {target}")
+        link.symlink_to(Path(target).resolve(), target_is_directory=True)
+    return workdir
+
+
+def subset_workdir(source: Path, workdir: Path, num_train: int) -> Path:
+    """A work folder whose merged data is the first `num_train` records of `source`'s train split
+    (already a seeded shuffle) and the same eval split: the input of the data-size study.
+
+    Its `01c_merged/manifest.json` says where the records come from; every later stage runs on
+    it as on any merged folder.
+    """
+    src, dst = Path(source) / STAGE_DIRS["merge"], Path(workdir) / STAGE_DIRS["merge"]
+    if (read_manifest(dst) or {}).get("complete"):
+        return Path(workdir)
+    dst.mkdir(parents=True, exist_ok=True)
+    with (src / "train.jsonl").open("rb") as f, (dst / "train.jsonl").open("wb") as out:
+        for n, line in enumerate(f):
+            if n >= num_train:
+                break
+            out.write(line)
+    shutil.copyfile(src / "eval.jsonl", dst / "eval.jsonl")
+    upstream = read_manifest(src) or {}
+    atomic_write_json(dst / MANIFEST, {
+        "stage": STAGE_DIRS["merge"], "complete": True, "seconds": 0.0,
+        "derived_from": str(src), "outputs": {"train": num_train,
+                                              "eval": upstream.get("outputs", {}).get("eval")},
+        "note": f"first {num_train} records of {src / 'train.jsonl'} (a seeded shuffle) and its "
+                "eval split unchanged: the data-size study of the reference benchmark"})
+    return Path(workdir)
+
+
+def export_checkpoint(step_dir: Path, draft_config: dict, out_dir: Path) -> Path:
+    """Export a 04 step checkpoint (`state.pt`) as an SGLang draft folder."""
+    from eagle3.draft_model import DraftConfig, Eagle3Draft
+    from eagle3.export import export_sglang
+
+    if (Path(out_dir) / "model.safetensors").exists():
+        return Path(out_dir)
+    # weights_only=False: our own checkpoint, holding RNG states (as eagle3.checkpoint loads it).
+    state = torch.load(Path(step_dir) / "state.pt", map_location="cpu", weights_only=False)
+    fields = DraftConfig.__dataclass_fields__
+    draft = Eagle3Draft(DraftConfig(**{k: v for k, v in draft_config.items() if k in fields}))
+    draft.load_state_dict(state["model"])
+    return export_sglang(draft, out_dir)

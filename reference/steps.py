@@ -1,0 +1,252 @@
+"""The phases of the reference benchmark: which stage runs when, on which folder, with which flags.
+
+Work folder layout (`W` = --workdir):
+
+    W/corpus/      reference/build_corpus.py output (samples, 01 recipes, split)
+    W/target/      the reference target (reference/train_target.py)
+    W/main/        the pipeline run: 01 -> 01b -> merge -> 02b (bf16) -> 03 -> 04
+    W/heldout/     01 of the held-out prompts (never generated from; 05's prompt set)
+    W/bench_t0/    05 at temperature 0; W/bench_t1/ at temperature 1 (upstreams linked to main)
+    W/fp8/         02b with fp8 storage + 04 (merged data and vocab linked to main)
+    W/size_<n>/    02b + 03 + 04 on the first n merged train samples
+    W/epochs/      per-epoch checkpoints of main exported as draft folders
+    W/results/     stages.json (every stage's record), evals/ (sweep results), controls.json,
+                   state.json (done / skipped work), summary.{json,md}, run.log
+
+A task is skipped, not started, when its estimated time exceeds what is left of the command's
+budget; running the phase again does it (finished work is never redone).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from eagle3.records import count_jsonl
+from eagle3.stage import atomic_write_json, read_manifest
+from reference import build_corpus, train_target
+from reference.stages import StageRunner, linked_workdir, script_fields, subset_workdir
+
+log = logging.getLogger(__name__)
+
+
+class PhaseMissing(RuntimeError):
+    """A phase started before the one it builds on; the message says which to run."""
+
+
+def fp32_moe_error(device: str) -> str | None:
+    """Why a DeepSeek-V3 MoE layer cannot run in float32 on `device` (None when it can).
+
+    transformers routes experts through `grouped_mm`, whose CUDA kernels target bf16; if this
+    torch has no float32 path the evaluation runs in bf16 instead (and says so).
+    """
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    from reference.train_target import PRESETS, build_model
+
+    try:
+        model = build_model(PRESETS["smoke"], 64, 64, 0).to(device, torch.float32).eval()
+        with torch.no_grad():
+            model(input_ids=torch.arange(8, device=device)[None])
+        torch.cuda.synchronize()
+    except RuntimeError as e:  # unsupported dtype in the grouped GEMM
+        return str(e).splitlines()[0]
+    return None
+
+
+class PhaseSteps:
+    """Runs phases 1-3 of one reference run; `state` records done and skipped work."""
+
+    def __init__(self, workdir: Path, profile_name: str, profile, runner: StageRunner,
+                 deadline: float):
+        self.w, self.p, self.runner, self.deadline = Path(workdir), profile, runner, deadline
+        self.corpus, self.target, self.main = self.w / "corpus", self.w / "target", self.w / "main"
+        self.heldout, self.results = self.w / "heldout", self.w / "results"
+        path = self.results / "state.json"
+        self.state = json.loads(path.read_text()) if path.exists() else {
+            "profile": profile_name, "done": {}, "skipped": {}, "phases": {}}
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def remaining(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self) -> None:
+        atomic_write_json(self.results / "state.json", self.state)
+
+    def task(self, name: str, fn, estimate_s: float | None = None) -> None:
+        """Run `fn` once (across commands); skip it while it would overrun the budget."""
+        if name in self.state["done"]:
+            return
+        if estimate_s is not None and estimate_s > self.remaining():
+            self.state["skipped"][name] = (f"needs ~{estimate_s:.0f} s, {self.remaining():.0f} s "
+                                           "left in this command: run the phase again")
+            log.warning("skipping %s: %s", name, self.state["skipped"][name])
+            self.save()
+            return
+        t0 = time.time()
+        fn()
+        self.state["done"][name] = {"wall_s": round(time.time() - t0, 1),
+                                    "estimate_s": estimate_s}
+        self.state["skipped"].pop(name, None)
+        self.save()
+
+    def run_phase(self, phase: int) -> None:
+        t0 = time.time()
+        {1: self.phase1, 2: self.phase2, 3: self.phase3}[phase]()
+        self.state["phases"][str(phase)] = round(time.time() - t0, 1)
+        self.save()
+
+    def _wall(self, label: str) -> float:
+        return self.runner.records.get(label, {}).get("wall_s", 0.0)
+
+    def _require(self, stage_dir: Path, phase: int) -> None:
+        if not (read_manifest(stage_dir) or {}).get("complete"):
+            raise PhaseMissing(f"{stage_dir} is not complete: run phase {phase} first (the work "
+                               "folder lives on the GPU machine; if the machine was given back "
+                               "between commands, start again from phase 1)")
+
+    # ------------------------------------------------------------ phase 1
+
+    def phase1(self) -> None:
+        p, t = self.p, self.target
+        self.runner.run_callable(
+            "corpus", lambda: build_corpus.main(["--out", str(self.corpus), *p.corpus]),
+            f"python reference/build_corpus.py --out {self.corpus} {' '.join(p.corpus)}", self.w)
+        self.task("eval dtype", self.choose_eval_dtype)
+        self.runner.run_callable(
+            "target", lambda: train_target.main(["--corpus", str(self.corpus), "--out", str(t),
+                                                 "--device", p.device, *p.target]),
+            f"python reference/train_target.py --corpus {self.corpus} --out {t} --device "
+            f"{p.device} {' '.join(p.target)}", self.w)
+        r = self.runner
+        prepare = [*(["--target", t] if "target" in script_fields("01") else []), *p.prepare]
+        r.run("01 main", "01", self.main, ["--recipe", self.corpus / "recipe_train.json",
+                                           *prepare])
+        r.run("01b main", "01b", self.main, ["--target", t, "--backend", "hf", "--device",
+                                             p.device, *p.generate])
+        r.run("merge main", "merge", self.main, list(p.merge))
+        r.run("01 held-out", "01", self.heldout, ["--recipe", self.corpus / "recipe_heldout.json",
+                                                  *prepare])
+
+    def choose_eval_dtype(self) -> None:
+        error = fp32_moe_error(self.p.device) if self.p.eval_dtype == "float32" else None
+        self.state["eval_dtype"] = "bfloat16" if error else self.p.eval_dtype
+        if error:
+            self.state["eval_dtype_note"] = f"float32 MoE failed ({error}): evaluating in bf16"
+            log.warning(self.state["eval_dtype_note"])
+
+    # ------------------------------------------------------------ phase 2
+
+    def steps_per_epoch(self, workdir: Path) -> int:
+        """Optimizer steps of 04's first epoch, from 04's own packing plan (eagle3.data)."""
+        from eagle3.data import build_plan, row_width
+        from eagle3.records import read_jsonl
+
+        lengths = [r["seq_len"] for r in read_jsonl(Path(workdir) / "01c_merged" / "train.jsonl")]
+        width = row_width(self.p.train_max_seq_len, self.p.pack_tokens)
+        plan = build_plan(lengths, width, self.p.train_max_seq_len, 0, 1, 1, 1)
+        return plan.steps_in_epoch(0)
+
+    def train_args(self, workdir: Path) -> list:
+        """04 flags: checkpoint and evaluate about every epoch end, keep every checkpoint.
+
+        Epochs pack into slightly different row counts, so the checkpoint of "epoch k" is the one
+        at step k x (steps of the first epoch); the report gives its step.
+        """
+        per_epoch = self.steps_per_epoch(workdir)
+        self.state.setdefault("steps_per_epoch", {})[Path(workdir).name] = per_epoch
+        return ["--target", self.target, "--device", self.p.device, "--epochs", self.p.epochs,
+                "--max-seq-len", self.p.train_max_seq_len, "--pack-tokens", self.p.pack_tokens,
+                "--save-every", per_epoch, "--eval-every", per_epoch,
+                "--keep-latest", self.p.epochs + 2, *self.p.train]
+
+    def extract_args(self, dtype: str) -> list:
+        """02b flags: the in-process transformers target, aux states stored as `dtype`."""
+        return ["--target", self.target, "--backend", "hf", "--device", self.p.device,
+                "--dtype", dtype, *self.p.extract]
+
+    def phase2(self) -> None:
+        self._require(self.main / "01c_merged", 1)
+        r, p, t = self.runner, self.p, self.target
+        r.run("02b main (bf16)", "02b", self.main, self.extract_args("bf16"))
+        r.run("03 main", "03", self.main, ["--target", t, "--draft-vocab", p.draft_vocab])
+        r.run("04 main", "04", self.main, self.train_args(self.main))
+        self.task("05 t0", lambda: self.bench("t0", 0.0))
+        per_sample = (self._wall("02b main (bf16)") + self._wall("04 main")) / max(
+            1, count_jsonl(self.main / "01c_merged" / "train.jsonl"))
+        self.task("train fp8", self.train_fp8, 1.1 * per_sample * self.n_train() + 10)
+        for n in self.size_counts():
+            self.task(f"train size {n}", lambda n=n: self.train_size(n), per_sample * n + 15)
+
+    def n_train(self) -> int:
+        return count_jsonl(self.main / "01c_merged" / "train.jsonl")
+
+    def size_counts(self) -> list[int]:
+        return sorted({max(4, int(f * self.n_train())) for f in self.p.size_fractions})
+
+    def train_fp8(self) -> None:
+        fp8 = linked_workdir(self.w / "fp8", {"01c_merged": self.main / "01c_merged",
+                                              "03_vocab": self.main / "03_vocab"})
+        self.runner.run("02b fp8", "02b", fp8, self.extract_args("fp8"))
+        self.runner.run("04 fp8", "04", fp8, self.train_args(fp8))
+
+    def train_size(self, n: int) -> None:
+        w = subset_workdir(self.main, self.w / f"size_{n}", n)
+        self.runner.run(f"02b size {n}", "02b", w, self.extract_args("bf16"))
+        self.runner.run(f"03 size {n}", "03", w, ["--target", self.target, "--draft-vocab",
+                                                  self.p.draft_vocab])
+        self.runner.run(f"04 size {n}", "04", w, self.train_args(w))
+
+    # ------------------------------------------------------------ 05
+
+    @property
+    def heldout_prompts(self) -> Path:
+        return (self.heldout / "01_prepared" / build_corpus.DATASET_HELDOUT
+                / "conversations.jsonl")
+
+    @property
+    def eval_dtype(self) -> str:
+        return self.state.get("eval_dtype", self.p.eval_dtype)
+
+    def seconds_per_token(self) -> float:
+        """Plain decoding cost of one token at batch 1 (measured once, then cached)."""
+        if "seconds_per_token" not in self.state:
+            from reference.evaluate_drafts import probe_seconds_per_token
+
+            self.state["seconds_per_token"] = probe_seconds_per_token(
+                self.target, self.heldout_prompts, self.heldout, self.p.device, self.eval_dtype)
+            self.save()
+        return self.state["seconds_per_token"]
+
+    def bench(self, tag: str, temperature: float) -> None:
+        """05 on the held-out prompts (prompt count cut to fit the command's budget)."""
+        steps = [3, 7]
+        cost = self.p.bench_max_new * self.seconds_per_token() * (
+            1 + sum((1 + 0.1 * s) / 2.0 for s in steps))  # acceptance ~2 assumed
+        fit = int((self.remaining() - 15) / cost)
+        prompts = max(min(self.p.bench_prompts, 4), min(self.p.bench_prompts, fit))
+        if prompts < self.p.bench_prompts:
+            self.state.setdefault("notes", []).append(
+                f"05 {tag}: {prompts} prompts instead of {self.p.bench_prompts} (time budget)")
+        w = linked_workdir(self.w / f"bench_{tag}", {
+            "01c_merged": self.main / "01c_merged",
+            "02b_hidden_states": self.main / "02b_hidden_states"})
+        self.runner.run(f"05 {tag}", "05", w, [
+            "--target", self.target, "--draft", self.main / "04_train" / "final",
+            "--backend", "hf", "--prompt-sets", self.heldout_prompts, "--num-prompts", prompts,
+            "--max-new-tokens", self.p.bench_max_new, "--temperature", temperature,
+            "--seed", 0, "--steps", *steps, "--device", self.p.device, "--dtype",
+            self.eval_dtype], ok_codes=(0, 1))  # 1: lossless mismatches, reported
+
+    # ------------------------------------------------------------ phase 3
+
+    def phase3(self) -> None:
+        from reference.phase3 import run_phase3
+
+        self._require(self.main / "04_train", 2)
+        run_phase3(self)
