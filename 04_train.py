@@ -1,68 +1,107 @@
 #!/usr/bin/env python3
-"""Stage 04: train the EAGLE-3 draft and export it for SGLang.
+"""Stage 04: train the EAGLE-3 draft and export it for SGLang (and vLLM's speculators format).
 
 Reads `<workdir>/02b_hidden_states/{train,eval}/`, `<workdir>/03_vocab/vocab_mapping.safetensors`
-and the target's embedding and lm_head (only those tensors, from its safetensors files). Writes
-checkpoints to `<workdir>/04_train/checkpoints/step_NNNNNN/` (re-running the same command resumes
-from the latest) and the SGLang draft folder `<workdir>/04_train/final/`.
+and, from the target's safetensors files (through the index), only its embedding and the lm_head
+rows of the draft vocabulary. Writes checkpoints to `<workdir>/04_train/checkpoints/step_NNNNNN/`
+(re-running the same command resumes at the exact batch), `metrics.jsonl`, `plots/*.png`,
+`tensorboard/` (when installed), the SGLang draft folder `<workdir>/04_train/final/` and the
+speculators-format folder `<workdir>/04_train/final_speculators/`.
 
 Tiny target (demo):
-    python 04_train.py --workdir runs/demo --target runs/demo/target --epochs 4 --lr 1e-3 \
-        --num-workers 0 --eval-every 50 --log-every 10
-Real run (8 GPUs): see train_plan_v4.md.
+    python 04_train.py --workdir runs/demo --target runs/demo/target --epochs 8 --lr 1e-3 \
+        --max-seq-len 512 --num-workers 0 --eval-every 100 --log-every 50
+Real run, one 8-GPU host (several hosts: add --nnodes/--node-rank/--rdzv-endpoint):
+    torchrun --nproc-per-node 8 04_train.py --workdir runs/kimi-k25 --target /models/Kimi-K2.5 \
+        --device cuda --epochs 3 --lr 1e-4 --grad-accum 2 --compile
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
-from pathlib import Path
 
 from safetensors.torch import load_file
 
+from eagle3 import distributed
 from eagle3.cli import config_dict, parse_config, setup_logging
+from eagle3.data import list_files, sample_lengths
 from eagle3.export import describe_layers, export_sglang, layer_ids_for
-from eagle3.progress import format_summary, human_seconds
-from eagle3.stage import open_stage, require_upstream
+from eagle3.progress import format_summary, human_seconds, progress
+from eagle3.speculators_export import export_speculators
+from eagle3.stage import open_stage, read_manifest, require_upstream
 from eagle3.target import load_embedding, load_lm_head, read_target_info
-from eagle3.train import TrainConfig, build_draft, build_draft_config, list_files, train
+from eagle3.train import (TrainConfig, TrainData, build_draft, build_draft_config,
+                          build_runtime, train)
+from eagle3.train_log import plot_metrics
 from eagle3.vocab import hot_ids_from_d2t
 
 STAGE = "04_train"
 
 
+def load_data(cfg: TrainConfig, stage_dir, is_main: bool) -> TrainData:
+    """File lists and token counts of both splits (counted once, cached in the stage folder)."""
+    root = cfg.workdir / "02b_hidden_states"
+    out = {}
+    for split in ("train", "eval"):
+        files = list_files(root / split)
+        bar = progress(total=len(files), desc=f"04 index {split}", unit="file") if is_main else None
+        out[split] = (files, sample_lengths(files, stage_dir / f"lengths_{split}.json", bar))
+        if bar is not None:
+            bar.close()
+    return TrainData(*out["train"], *out["eval"])
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(TrainConfig, argv, __doc__)
-    setup_logging(cfg.log_level)
+    dist_info = distributed.env_dist_info()  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK
+    setup_logging(cfg.log_level if dist_info.is_main else "WARNING")
+    device = distributed.init(dist_info, cfg.device)
     hs_manifest = require_upstream(cfg.workdir / "02b_hidden_states", cfg.allow_partial) or {}
     require_upstream(cfg.workdir / "03_vocab", cfg.allow_partial)
-    info = read_target_info(cfg.target)
     capture_layers = hs_manifest.get("capture_layers")
     if not capture_layers:
         raise SystemExit("02b_hidden_states/manifest.json names no capture_layers: re-run 02b")
-    stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
-    if stage is None:
+    layer_ids_for(capture_layers, cfg.sglang_version)  # refuse an unservable layout up front
+    done = (read_manifest(cfg.workdir / STAGE) or {}).get("complete") and not cfg.force
+    stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force) \
+        if dist_info.is_main and not done else None
+    distributed.barrier()  # rank 0 has (re)created the stage folder
+    if done:
+        logging.getLogger(__name__).info("%s is complete; pass --force to retrain", STAGE)
         return 0
     t0 = time.time()
+    stage_dir = cfg.workdir / STAGE
+    info = read_target_info(cfg.target)
     mapping = load_file(str(cfg.workdir / "03_vocab" / "vocab_mapping.safetensors"))
     dcfg = build_draft_config(cfg, info, mapping["d2t"].numel(), capture_layers)
-    layer_ids_for(capture_layers, cfg.sglang_version)  # refuse an unservable layout up front
     draft = build_draft(dcfg, cfg.seed, mapping["d2t"], mapping["t2d"])
-    teacher = load_lm_head(cfg.target)[hot_ids_from_d2t(mapping["d2t"])]  # [draft_vocab, Ht]
+    teacher = load_lm_head(cfg.target, hot_ids_from_d2t(mapping["d2t"]))  # [draft_vocab, Ht]
     embed = load_embedding(cfg.target)
+    data = load_data(cfg, stage_dir, dist_info.is_main)
+    summary = train(cfg, stage_dir, data, draft, embed, teacher,
+                    build_runtime(cfg, device, dist_info))
+    distributed.shutdown()
+    if not dist_info.is_main:
+        return 0
+    export_sglang(draft.cpu(), stage_dir / "final", cfg.sglang_version)
+    export_speculators(draft, stage_dir / "final_speculators", str(cfg.target), cfg.ttt_steps)
+    plots = plot_metrics(stage_dir / "metrics.jsonl", stage_dir / "plots")
     for name in ("02b_hidden_states", "03_vocab"):
         stage.add_input(cfg.workdir / name)
-    hs_root = cfg.workdir / "02b_hidden_states"
-    summary = train(cfg, stage.dir, list_files(hs_root / "train"), list_files(hs_root / "eval"),
-                    draft, embed, teacher)
-    export_sglang(draft.cpu(), stage.dir / "final", cfg.sglang_version)
-    stage.finish(outputs={"final": str(stage.dir / "final"), **summary},
-                 extra={"draft_config": dcfg.to_dict()})
-    ids = layer_ids_for(capture_layers, cfg.sglang_version)
+    stage.finish(outputs={"final": str(stage_dir / "final"), **summary},
+                 extra={"draft_config": dcfg.to_dict(), "world_size": dist_info.world})
     rows = {"steps": summary["num_steps"], "tokens": summary["tokens"],
+            "tokens/s (all ranks)": f"{summary['tok_s']:,.0f}",
+            "data wait": f"{100 * summary['data_wait']:.1f}%",
+            "padding": f"{100 * summary['padding']:.1f}%",
             "eval acc per step": str([round(a, 3) for a in summary.get("eval_acc", [])]),
             "eval simulated acceptance": round(summary.get("eval_sim_accept", 0.0), 3),
-            "layers": describe_layers(ids), "draft": str(stage.dir / "final"),
+            "layers": describe_layers(layer_ids_for(capture_layers, cfg.sglang_version)),
+            "draft (SGLang)": str(stage_dir / "final"),
+            "draft (vLLM speculators)": str(stage_dir / "final_speculators"),
+            "plots": f"{len(plots)} PNG in {stage_dir / 'plots'}",
             "time": human_seconds(time.time() - t0)}
     print(format_summary("04 train", rows))
     return 0

@@ -1,8 +1,10 @@
 """Training checkpoints: `step_{step:06d}/` folders, written under a temp name then renamed,
 valid only with their `COMPLETE` marker; the latest complete one is resumed from.
 
-A folder holds `state.pt` (draft weights without `_orig_mod.`/`module.` prefixes, optimizer,
-loop state, RNG states) and `config.json` (the resolved training config).
+A folder holds `state.pt` — draft weights (no `_orig_mod.`/`module.` prefixes), optimizer,
+schedule, loop state, data position, RNG states — and `config.json` (the resolved training
+config). A process killed while writing leaves only a `.tmp_step_*` folder, which is ignored and
+removed by the next save.
 """
 
 from __future__ import annotations
@@ -58,22 +60,27 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: Path, step: int, model_state: dict, optimizer_state: dict,
-                    loop_state: dict, config: dict, keep_latest: int) -> Path:
-    """Write `root/step_{step:06d}` atomically; keep only the `keep_latest` newest."""
+def save_checkpoint(root: Path, step: int, state: dict, config: dict, keep_latest: int) -> Path:
+    """Write `state` (+ RNG) to `root/step_{step:06d}` atomically; keep the newest few.
+
+    `state` holds at least `model` (a state dict); the other entries (optimizer, schedule,
+    loop_state, data) are saved as given.
+    """
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    atomic_torch_save({"model": clean_state_dict(model_state), "optimizer": optimizer_state,
-                       "loop_state": loop_state, "rng": rng_state()}, tmp / "state.pt")
+    payload = {**state, "model": clean_state_dict(state["model"]), "rng": rng_state()}
+    atomic_torch_save(payload, tmp / "state.pt")
     atomic_write_json(tmp / "config.json", config)
     (tmp / MARKER).write_text(str(step))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in complete_steps(root)[:-keep_latest]:
         shutil.rmtree(root / f"step_{old:06d}", ignore_errors=True)
+    for stale in root.glob(".tmp_step_*"):  # left by a process killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
     log.info("saved checkpoint %s", final)
     return final
 
@@ -100,5 +107,18 @@ def load_latest(root: Path, config: dict) -> dict | None:
                               f"{changed} (saved, now): use the same flags or --force to restart")
     # weights_only=False: the RNG states hold numpy objects; the file is our own checkpoint.
     state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+    state["folder"] = str(folder)
     log.info("resuming from %s", folder)
     return state
+
+
+def check_data_position(state: dict, rows_per_step: int, seed: int, folder: str) -> None:
+    """Refuse a resume whose global batch (ranks x grad-accum) or data seed changed: the same
+    step would then index other rows, and the schedule would not line up."""
+    data = state.get("data", {})
+    saved = (data.get("rows_per_step"), data.get("seed"))
+    if saved != (rows_per_step, seed):
+        raise CheckpointError(
+            f"{folder} was written with {saved[0]} rows per step (ranks x --grad-accum) and "
+            f"--seed {saved[1]}; this run has {rows_per_step} and {seed}: resume with the same "
+            "global batch and seed, or pass --force to restart")

@@ -71,26 +71,48 @@ def default_capture_layers(num_hidden_layers: int) -> list[int]:
     return layers
 
 
-def load_target_tensor(path: Path, names: tuple[str, ...]) -> torch.Tensor:
-    """Load one tensor (first of `names` present) from the target's safetensors files."""
+def _locate(path: Path, names: tuple[str, ...]) -> tuple[str, Path]:
+    """(name, file) of the first of `names` in the checkpoint, found through the index when
+    sharded (no shard is opened) or in the single `model.safetensors`."""
     from safetensors import safe_open
 
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = {n: path / weight_map[n] for n in names if n in weight_map}
+        found = [(n, path / weight_map[n]) for n in names if n in weight_map]
     else:
         single = path / "model.safetensors"
         if not single.exists():
             raise TargetError(f"{path} has neither model.safetensors nor its index")
         with safe_open(single, "pt") as f:
-            files = {n: single for n in names if n in f.keys()}
-    if not files:
+            keys = set(f.keys())
+        found = [(n, single) for n in names if n in keys]
+    if not found:
         raise TargetError(f"{path}: none of the tensors {names} is in the checkpoint")
-    name, file = next(iter(files.items()))
+    return found[0]
+
+
+def load_target_tensor(path: Path, names: tuple[str, ...],
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+    """One tensor (first of `names` present) from the target's safetensors files, or only its
+    `rows` (sorted ascending), read as contiguous runs so the rest never leaves the disk."""
+    from safetensors import safe_open
+
+    name, file = _locate(path, names)
     with safe_open(file, "pt") as f:
-        tensor = f.get_tensor(name)
+        if rows is None:
+            tensor = f.get_tensor(name)
+        else:
+            sl = f.get_slice(name)
+            rows = torch.as_tensor(rows, dtype=torch.int64)
+            if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+                raise TargetError(f"rows of {name} must be unique and ascending")
+            breaks = (torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1).tolist()
+            starts = [0] + breaks
+            ends = breaks + [rows.numel()]
+            tensor = torch.cat([sl[int(rows[a]):int(rows[b - 1]) + 1]
+                                for a, b in zip(starts, ends)])
     log.info("loaded %s %s from %s", name, tuple(tensor.shape), file.name)
     return tensor
 
@@ -100,13 +122,13 @@ def load_embedding(path: Path) -> torch.Tensor:
     return load_target_tensor(path, EMBED_NAMES)
 
 
-def load_lm_head(path: Path) -> torch.Tensor:
-    """The target's output head `[vocab, H]` (the embedding when tied)."""
+def load_lm_head(path: Path, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's output head `[vocab, H]`, or its `rows` (the embedding when tied)."""
     try:
-        return load_target_tensor(path, LM_HEAD_NAMES)
+        return load_target_tensor(path, LM_HEAD_NAMES, rows)
     except TargetError:
         log.warning("no lm_head in %s: using the tied embedding", path)
-        return load_embedding(path)
+        return load_target_tensor(path, EMBED_NAMES, rows)
 
 
 def load_tokenizer(path: Path):

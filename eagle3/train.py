@@ -1,31 +1,39 @@
-"""EAGLE-3 training with the training-time-test (TTT) unroll.
+"""EAGLE-3 training: the loop, its schedule, evaluation and checkpoints (ttt.py has the loss).
 
-Loss at anchor t of step k (k = 0..ttt_steps-1): the draft reads token t+1+k and, as hidden,
-fc(aux_t) for k = 0 or its own step k-1 output; its prediction is compared (soft cross-entropy)
-with the target's distribution at position t+1+k, which is `softmax(lm_head_hot @ final_{t+1+k})`
-over the draft vocabulary (the stored final state is post-norm: no second norm here). The weight
-of that term is `loss_mask[t+1+k]`: the loss mask moves with the targets, so the last prompt
-position (the first the draft serves) is trained. Step k's loss is scaled by `step_weight ** k`.
+Per optimizer step, in this order: learning rate -> eval if due or last -> save if due or last
+-> stop if last -> `grad_accum` micro-steps (forward + backward of one packed row each) -> clip
+-> AdamW step -> zero grads -> log if due. AdamW keeps fp32 master weights (the parameters are
+fp32); on CUDA the forward runs under bf16 autocast, with fused AdamW and flex attention.
 
-Data order is a pure function of (seed, epoch); a resumed run continues at the exact batch.
+No host sync per micro-step: metrics accumulate in a device tensor and are read every
+`--log-every` steps; on CUDA a non-finite gradient norm makes the fused AdamW skip that update on
+the device (`found_inf`), and the run stops at the next log, eval or save naming the step. On CPU
+the check is immediate. Data order is a pure function of (seed, epoch); a resumed run continues
+at the exact row (data.py).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from eagle3 import hidden_states as hs
-from eagle3.cli import arg
-from eagle3.draft_model import DraftConfig, Eagle3Draft, StepCache
+from eagle3 import distributed
+from eagle3.checkpoint import check_data_position, load_latest, save_checkpoint, set_rng_state
+from eagle3.cli import arg, config_dict
+from eagle3.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan, list_files,
+                         make_loader, pack_epoch, row_width)
+from eagle3.distributed import DistInfo
+from eagle3.draft_model import DraftConfig, Eagle3Draft
+from eagle3.train_log import MetricsLog, metrics_line
+from eagle3.ttt import TTTModel, num_stats, stats_dict
 
+__all__ = ["TrainConfig", "lr_at", "train", "build_draft", "build_draft_config", "list_files"]
 log = logging.getLogger(__name__)
 
 
@@ -36,14 +44,15 @@ class TrainConfig:
     ttt_steps: int = arg(7, "training-time-test unroll length (draft steps per anchor)")
     step_weight: float = arg(0.8, "loss weight of step k is step_weight**k")
     epochs: int = arg(1, "passes over the train split")
-    batch_size: int = arg(1, "sequences per micro-step")
-    grad_accum: int = arg(1, "micro-steps per optimizer step")
+    max_seq_len: int = arg(8192, "samples are truncated to this many tokens")
+    pack_tokens: int = arg(0, "tokens per packed micro-batch row (0 = the longest sample, at "
+                              "most --max-seq-len), rounded up to a multiple of 128")
+    grad_accum: int = arg(1, "micro-batches (packed rows) per optimizer step and rank")
     lr: float = arg(1e-4, "peak learning rate")
     min_lr_ratio: float = arg(0.1, "final learning rate as a share of --lr (cosine floor)")
     warmup_steps: int = arg(-1, "linear warmup steps (-1 = 3%% of all steps)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(0.5, "gradient clipping norm")
-    max_seq_len: int = arg(8192, "truncate samples to this many tokens")
     num_attention_heads: int = arg(0, "draft heads (0 = the target's)")
     num_key_value_heads: int = arg(0, "draft kv heads (0 = same as heads)")
     head_dim: int = arg(0, "draft head dim (0 = hidden / heads)")
@@ -53,11 +62,16 @@ class TrainConfig:
     save_every: int = arg(500, "checkpoint every N steps (and at the end)")
     keep_latest: int = arg(2, "checkpoints kept")
     log_every: int = arg(10, "log a line every N steps")
-    num_workers: int = arg(2, "background data-loading processes (0 = in the main process)")
+    num_workers: int = arg(2, "background data-loading processes per rank (0 = main process)")
     seed: int = arg(0, "seed of the init and the data order")
-    device: str = arg("cpu", "torch device (cuda on GPUs)")
-    precision: str = arg("auto", "bf16 autocast (cuda) or fp32; auto = bf16 on cuda, fp32 on cpu",
+    device: str = arg("cpu", "torch device: cpu, or cuda (each torchrun rank takes its GPU)")
+    precision: str = arg("auto", "bf16 autocast or fp32; auto = bf16 on cuda, fp32 on cpu",
                          choices=["auto", "bf16", "fp32"])
+    attention: str = arg("auto", "TTT attention: flex (fused kernel, CUDA) or naive "
+                                 "(materialised scores); auto = flex on cuda, naive on cpu",
+                         choices=["auto", "flex", "naive"])
+    compile: bool = arg(False, "torch.compile the TTT forward (CUDA; first steps compile)")
+    tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
     sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
                                            "capture layers whose first index is not 2)")
     allow_partial: bool = arg(False, "accept incomplete upstream folders")
@@ -67,138 +81,21 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
             raise ValueError("--ttt-steps must be >= 1")
-        if self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("--batch-size and --grad-accum must be >= 1")
-
-
-# ---------------------------------------------------------------- schedule
+        if self.grad_accum < 1 or self.epochs < 1:
+            raise ValueError("--grad-accum and --epochs must be >= 1")
+        for name in ("eval_every", "save_every", "log_every", "keep_latest"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
 def lr_at(step: int, num_steps: int, peak: float, warmup: int, min_ratio: float) -> float:
-    """Linear warmup to `peak`, then cosine down to `peak * min_ratio` at `num_steps`."""
+    """Linear warmup to `peak` over `warmup` steps, then cosine down to `peak * min_ratio` at
+    `num_steps` (a pure function of the step: resuming needs no scheduler object)."""
     if warmup > 0 and step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, num_steps - warmup)
     progress = min(max(progress, 0.0), 1.0)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-# ---------------------------------------------------------------- data
-
-
-def list_files(root: Path) -> list[Path]:
-    """Hidden-state files of a split, ordered by their record index."""
-    files = list(Path(root).glob("shard_*/data_*.pt"))
-    return sorted(files, key=lambda p: int(p.stem.split("_")[1]))
-
-
-def epoch_batches(num_files: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The batches of one epoch: a seeded permutation cut into full batches."""
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    perm = torch.randperm(num_files, generator=g).tolist()
-    return [perm[i : i + batch_size] for i in range(0, num_files - batch_size + 1, batch_size)]
-
-
-def collate(samples: list[dict], max_seq_len: int) -> dict:
-    """Right-padded batch: ids/mask `[B, T]`, aux `[B, T, 3Ht]`, final `[B, T, Ht]`."""
-    rows = []
-    for data in samples:
-        aux, final = hs.unpack(data, torch.bfloat16)
-        n = min(data["input_ids"].shape[0], max_seq_len)
-        rows.append((data["input_ids"][:n], data["loss_mask"][:n],
-                     torch.cat(aux, dim=-1)[:n], final[:n]))
-    T = max(r[0].shape[0] for r in rows)
-    B, Ht = len(rows), rows[0][3].shape[-1]
-    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long),
-             "loss_mask": torch.zeros(B, T, dtype=torch.long),
-             "aux": torch.zeros(B, T, 3 * Ht, dtype=torch.bfloat16),
-             "final": torch.zeros(B, T, Ht, dtype=torch.bfloat16)}
-    for b, (ids, mask, aux, final) in enumerate(rows):
-        n = ids.shape[0]
-        batch["input_ids"][b, :n], batch["loss_mask"][b, :n] = ids, mask
-        batch["aux"][b, :n], batch["final"][b, :n] = aux, final
-    batch["tokens"] = sum(r[0].shape[0] for r in rows)
-    batch["padded_tokens"] = B * T
-    return batch
-
-
-class BatchDataset(torch.utils.data.Dataset):
-    """Item i = the collated batch `batches[i]` (loaded by DataLoader workers ahead of use)."""
-
-    def __init__(self, files: list[Path], batches: list[list[int]], max_seq_len: int):
-        self.files, self.batches, self.max_seq_len = files, batches, max_seq_len
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i: int) -> dict:
-        return collate([hs.load(self.files[j]) for j in self.batches[i]], self.max_seq_len)
-
-
-def iterate_batches(files, cfg: TrainConfig, start_micro: int):
-    """Yield batches from global micro-batch index `start_micro` on, epoch after epoch."""
-    per_epoch = len(epoch_batches(len(files), cfg.batch_size, cfg.seed, 0))
-    epoch, offset = divmod(start_micro, per_epoch)
-    while True:
-        batches = epoch_batches(len(files), cfg.batch_size, cfg.seed, epoch)[offset:]
-        loader = torch.utils.data.DataLoader(
-            BatchDataset(files, batches, cfg.max_seq_len), batch_size=None, shuffle=False,
-            num_workers=cfg.num_workers, prefetch_factor=4 if cfg.num_workers else None,
-            persistent_workers=False)
-        yield from loader
-        epoch, offset = epoch + 1, 0
-
-
-# ---------------------------------------------------------------- the TTT loss
-
-
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, n:] padded with zeros at the end to the same length (dim 1)."""
-    if n == 0:
-        return x
-    pad = torch.zeros_like(x[:, :n])
-    return torch.cat([x[:, n:], pad], dim=1)
-
-
-def ttt_loss(draft: Eagle3Draft, batch: dict, embed_VH: torch.Tensor, teacher_VdH: torch.Tensor,
-             steps: int, step_weight: float) -> tuple[torch.Tensor, list[float], list[float]]:
-    """(weighted loss, per-step loss, per-step accuracy) of one batch."""
-    ids_BT, mask_BT = batch["input_ids"], batch["loss_mask"]
-    B, T = ids_BT.shape
-    # The target's distribution over the draft vocabulary at every position (teacher).
-    with torch.no_grad():
-        teacher_logits = batch["final"].to(teacher_VdH.dtype) @ teacher_VdH.T
-        teacher_p = torch.softmax(teacher_logits.float(), dim=-1)  # [B, T, Vd]
-    hidden = draft.fc(batch["aux"].to(draft.fc.weight.dtype))  # once per batch, not per step
-    positions = torch.arange(T, device=ids_BT.device).expand(B, T)
-    cache = StepCache()
-    total = torch.zeros((), device=ids_BT.device)
-    losses, accs = [], []
-    for k in range(steps):
-        tokens = shift_left(ids_BT, 1 + k)
-        weight = shift_left(mask_BT, 1 + k).float()
-        target_p = shift_left(teacher_p, 1 + k)
-        embeds = F.embedding(tokens, embed_VH).to(hidden.dtype)
-        logits, hidden = draft.step(embeds, hidden, positions + k, cache)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        ce = -(target_p * logp).sum(-1)  # [B, T]
-        denom = weight.sum().clamp(min=1.0)
-        loss_k = (ce * weight).sum() / denom
-        total = total + (step_weight ** k) * loss_k
-        with torch.no_grad():
-            hit = (logits.argmax(-1) == target_p.argmax(-1)).float()
-            accs.append(float((hit * weight).sum() / denom))
-        losses.append(float(loss_k.detach()))
-    return total, losses, accs
-
-
-def simulated_acceptance(accs: list[float]) -> float:
-    """1 + sum_k prod_{j<=k} acc_j: expected accepted length if steps failed independently."""
-    total, run = 1.0, 1.0
-    for a in accs:
-        run *= a
-        total += run
-    return total
 
 
 # ---------------------------------------------------------------- assembly
@@ -225,151 +122,269 @@ def build_draft_config(cfg: TrainConfig, info, draft_vocab: int, capture_layers)
 def build_draft(dcfg: DraftConfig, seed: int, d2t, t2d) -> Eagle3Draft:
     torch.manual_seed(seed)
     draft = Eagle3Draft(dcfg)
-    for name, p in draft.named_parameters():
+    for p in draft.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
     draft.set_vocab_mapping(d2t, t2d)
     return draft
 
 
+@dataclass
+class Runtime:
+    """What the loop needs besides the config: device, ranks, precision, attention."""
+
+    device: torch.device
+    dist: DistInfo
+    bf16: bool
+    attention: str
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+
+def build_runtime(cfg: TrainConfig, device: torch.device, dist: DistInfo) -> Runtime:
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    attention = cfg.attention if cfg.attention != "auto" else (
+        "flex" if device.type == "cuda" else "naive")
+    return Runtime(device, dist, bf16, attention)
+
+
+def build_optimizer(draft: Eagle3Draft, cfg: TrainConfig, device: torch.device):
+    """AdamW over the fp32 parameters (the master weights); fused on CUDA."""
+    return torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+
+
+@dataclass
+class LoopState:
+    """Saved whole in every checkpoint."""
+
+    step: int = 0
+    tokens: int = 0
+    ema_loss: float = 0.0  # EMA of the step loss, debiased when logged
+    nonfinite_step: int = -1  # first step whose update was skipped (CUDA), -1 = none
+
+
+def _batch_args(batch: dict) -> tuple:
+    return (batch["input_ids"], batch["loss_mask"], batch["doc_ids"], batch["positions"],
+            batch["aux"], batch["final"])
+
+
+def _guard_nonfinite(optimizer, grad_norm, step: int, flag: torch.Tensor) -> None:
+    """Keep a non-finite update from being applied: fused AdamW skips it on the device (no sync)
+    and `flag` records the first such step; other optimizers check at once."""
+    bad = ~torch.isfinite(grad_norm)
+    if not optimizer.defaults.get("fused"):
+        if bool(bad):
+            raise FloatingPointError(f"step {step}: gradient norm {float(grad_norm)} is not "
+                                     "finite; stopping before the update")
+        return
+    optimizer.found_inf = bad.float()
+    flag.copy_(torch.where(bad & (flag < 0), torch.full_like(flag, step), flag))
+
+
+def _raise_if_nonfinite(flag: torch.Tensor) -> None:
+    step = int(flag)  # host sync: only at log / eval / save points
+    if step >= 0:
+        raise FloatingPointError(f"step {step}: gradient norm was not finite; its update was "
+                                 "skipped and the run stops here (resume from the last "
+                                 "checkpoint with a lower --lr or --max-grad-norm)")
+
+
 @torch.no_grad()
-def evaluate(draft, files, cfg: TrainConfig, embed, teacher, autocast) -> dict:
-    draft.eval()
-    losses, accs, n = [0.0] * cfg.ttt_steps, [0.0] * cfg.ttt_steps, 0
-    for f in files[: cfg.max_eval_samples]:
-        batch = _to_device(collate([hs.load(f)], cfg.max_seq_len), cfg.device)
-        with autocast():
-            _, ls, acs = ttt_loss(draft, batch, embed, teacher, cfg.ttt_steps, cfg.step_weight)
-        losses = [a + b for a, b in zip(losses, ls)]
-        accs = [a + b for a, b in zip(accs, acs)]
-        n += 1
-    draft.train()
-    n = max(n, 1)
-    accs = [a / n for a in accs]
-    return {"eval_loss": [l / n for l in losses], "eval_acc": accs,
-            "eval_sim_accept": simulated_acceptance(accs)}
-
-
-def _to_device(batch: dict, device: str) -> dict:
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
-            for k, v in batch.items()}
-
-
-def metrics_line(step: int, num_steps: int, m: dict, eta_s: float) -> str:
-    """One fixed-format log line."""
-    from eagle3.progress import human_seconds
-
-    return (f"step {step:05d}/{num_steps:05d} ({100 * step / max(num_steps, 1):.1f}%) | "
-            f"loss {m['loss']:.4f} | acc0 {m['acc'][0]:.3f} | sim-accept {m['sim_accept']:.2f} | "
-            f"lr {m['lr']:.1e} | dt {m['dt_ms']:.0f}ms | tok/s {m['tok_s']:,.0f} | "
-            f"data-wait {100 * m['data_wait']:.0f}% | eta {human_seconds(eta_s)}")
-
-
-def append_jsonl(path: Path, obj: dict) -> None:
-    with Path(path).open("a") as f:
-        f.write(json.dumps(obj) + "\n")
-
-
-def timed_next(it) -> tuple[dict, float]:
-    t = time.perf_counter()
-    batch = next(it)
-    return batch, time.perf_counter() - t
+def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainConfig,
+             rt: Runtime, width: int) -> dict:
+    """Mean per-step loss and accuracy and simulated acceptance over the eval split."""
+    n = min(len(files), cfg.max_eval_samples)
+    rows = pack_epoch(lengths[:n], width, cfg.max_seq_len, cfg.seed, 0, shuffle=False)
+    mine = rows[rt.dist.rank::rt.dist.world]
+    loader = make_loader(PackedRows(files, mine, width, cfg.max_seq_len),
+                         min(cfg.num_workers, len(mine)), rt.device.type == "cuda")
+    stats = torch.zeros(num_stats(cfg.ttt_steps), device=rt.device)
+    model.eval()
+    for batch in loader:
+        batch = {k: v.to(rt.device) for k, v in batch.items()}
+        with rt.autocast():
+            _, s = model(*_batch_args(batch), masks=model.build_masks(batch["doc_ids"]))
+        stats += s
+    model.train()
+    m = stats_dict(distributed.all_reduce_sum(stats), cfg.ttt_steps)
+    return {"eval_loss": m["loss_steps"], "eval_acc": m["acc"],
+            "eval_sim_accept": m["sim_accept"]}
 
 
 # ---------------------------------------------------------------- the loop
 
 
-def train(cfg: TrainConfig, out_dir: Path, train_files: list[Path], eval_files: list[Path],
-          draft: Eagle3Draft, embed_VH: torch.Tensor, teacher_VdH: torch.Tensor) -> dict:
-    """Train `draft` in place; checkpoints under `out_dir/checkpoints`. Returns the summary."""
-    device = torch.device(cfg.device)
-    use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+@dataclass
+class TrainData:
+    """Hidden-state files of both splits and their token counts."""
 
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    train_files: list[Path]
+    train_lengths: list[int]
+    eval_files: list[Path]
+    eval_lengths: list[int]
 
-    draft.to(device)
-    embed_VH = embed_VH.to(device, torch.bfloat16 if use_bf16 else torch.float32)
-    teacher_VdH = teacher_VdH.to(device, torch.bfloat16 if use_bf16 else torch.float32)
-    per_epoch = len(epoch_batches(len(train_files), cfg.batch_size, cfg.seed, 0))
-    num_steps = cfg.epochs * per_epoch // cfg.grad_accum
-    if num_steps < 1:
-        raise ValueError(f"{len(train_files)} train samples make no full step of "
-                         f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}")
+
+class Window:
+    """Device-side sums since the last log line (saved in checkpoints so a resumed run logs the
+    same values); read with one host sync per log line."""
+
+    def __init__(self, steps: int, device: torch.device, saved: dict | None = None):
+        saved = saved or {}
+        self.stats = torch.tensor(saved.get("stats", [0.0] * num_stats(steps)), device=device,
+                                  dtype=torch.float32)
+        self.tokens = torch.tensor(saved.get("tokens", 0), device=device)
+        self.rows = saved.get("rows", 0)
+        self.steps = saved.get("steps", 0)
+
+    def to_dict(self) -> dict:
+        return {"stats": self.stats.tolist(), "tokens": int(self.tokens), "rows": self.rows,
+                "steps": self.steps}
+
+
+def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
+          embed_VH: torch.Tensor, teacher_VdH: torch.Tensor, rt: Runtime) -> dict:
+    """Train `draft` in place (checkpoints under `out_dir/checkpoints`); returns the summary."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    width = row_width(cfg.max_seq_len, cfg.pack_tokens,
+                      max(data.train_lengths + data.eval_lengths))
+    plan = build_plan(data.train_lengths, width, cfg.max_seq_len, cfg.seed, cfg.epochs,
+                      rt.dist.world, cfg.grad_accum)
+    num_steps = plan.num_steps
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, int(0.03 * num_steps))
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.weight_decay)  # fp32 master weights
-    from eagle3.checkpoint import load_latest, save_checkpoint
-    from eagle3.cli import config_dict
-
-    ckpt_config = {**config_dict(cfg), **draft.cfg.to_dict()}
-    loop_state = {"step": 0, "tokens": 0, "ema_loss": 0.0}
-    state = load_latest(out_dir / "checkpoints", ckpt_config)
-    if state is not None:
-        from eagle3.checkpoint import set_rng_state
-
-        draft.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        loop_state = state["loop_state"]
-        set_rng_state(state["rng"])
-    start_step = loop_state["step"]
-    metrics_path = out_dir / "metrics.jsonl"
-    data = iterate_batches(train_files, cfg, start_step * cfg.grad_accum)
-    draft.train()
-    t_last, wait, timed_tokens, timed_steps, last_eval = time.perf_counter(), 0.0, 0, 0, {}
-    for step in range(start_step, num_steps + 1):
+    model = TTTModel(draft, embed_VH, teacher_VdH, cfg.ttt_steps, cfg.step_weight, rt.attention,
+                     torch.bfloat16 if rt.bf16 else torch.float32).to(rt.device)
+    optimizer = build_optimizer(draft, cfg, rt.device)
+    state, window_saved = _maybe_resume(cfg, out_dir, draft, optimizer, plan)
+    ddp = distributed.wrap(model, rt.dist, rt.device)
+    forward = torch.compile(ddp) if cfg.compile else ddp
+    metrics = MetricsLog(out_dir, rt.dist.is_main, state.step, cfg.tensorboard)
+    rows = [r for s in range(state.step, num_steps) for r in plan.rows_for(s, rt.dist.rank)]
+    feed = DevicePrefetcher(make_loader(PackedRows(data.train_files, rows, width,
+                                                   cfg.max_seq_len),
+                                        cfg.num_workers, rt.device.type == "cuda"), rt.device)
+    window = Window(cfg.ttt_steps, rt.device, window_saved)
+    ema = torch.tensor(state.ema_loss, device=rt.device)
+    bad_step = torch.tensor(state.nonfinite_step, device=rt.device)
+    clock = {"t": time.perf_counter(), "wait": 0.0, "start_step": state.step, "last_eval": {},
+             "history": []}
+    log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d",
+             num_steps, cfg.epochs, plan.rows_per_step, width,
+             100 * plan.padding_share(data.train_lengths, width, cfg.max_seq_len), warmup)
+    for step in range(state.step, num_steps + 1):
         last_step = step == num_steps
         lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if eval_files and (last_step or (step % cfg.eval_every == 0 and step > start_step)):
-            last_eval = evaluate(draft, eval_files, cfg, embed_VH, teacher_VdH, autocast)
-            log.info("eval step %d | loss0 %.4f | acc %s | sim-accept %.2f", step,
-                     last_eval["eval_loss"][0], [round(a, 3) for a in last_eval["eval_acc"]],
-                     last_eval["eval_sim_accept"])
-            append_jsonl(metrics_path, {"step": step, **last_eval})
-        if step > start_step and (last_step or step % cfg.save_every == 0):
-            loop_state["step"] = step
-            save_checkpoint(out_dir / "checkpoints", step, draft.state_dict(),
-                            optimizer.state_dict(), loop_state, ckpt_config, cfg.keep_latest)
+        if last_step or (step % cfg.eval_every == 0 and step > clock["start_step"]) or step == 0:
+            _raise_if_nonfinite(bad_step)
+            clock["last_eval"] = _run_eval(model, data, cfg, rt, width, step, metrics)
+        if step > clock["start_step"] and (last_step or step % cfg.save_every == 0):
+            _raise_if_nonfinite(bad_step)
+            state.step, state.ema_loss, state.nonfinite_step = step, float(ema), int(bad_step)
+            _save(cfg, out_dir, step, draft, optimizer, state, window, plan, rt)
         if last_step:
             break
-        step_losses, step_accs, tokens, padded = [0.0] * cfg.ttt_steps, [0.0] * cfg.ttt_steps, 0, 0
+        step_loss = torch.zeros((), device=rt.device)
         for micro_step in range(cfg.grad_accum):
-            batch, waited = timed_next(data)
-            wait += waited
-            batch = _to_device(batch, cfg.device)
-            with autocast():
-                loss, ls, acs = ttt_loss(draft, batch, embed_VH, teacher_VdH, cfg.ttt_steps,
-                                         cfg.step_weight)
-            (loss / cfg.grad_accum).backward()  # each backward adds to .grad: average micro-steps
-            step_losses = [a + b / cfg.grad_accum for a, b in zip(step_losses, ls)]
-            step_accs = [a + b / cfg.grad_accum for a, b in zip(step_accs, acs)]
-            tokens += batch["tokens"]
-            padded += batch["padded_tokens"]
-        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.max_grad_norm)
-        weighted = sum(cfg.step_weight ** k * l for k, l in enumerate(step_losses))
-        if not (math.isfinite(weighted) and math.isfinite(float(grad_norm))):
-            raise FloatingPointError(f"step {step}: loss {weighted} / grad norm {float(grad_norm)}"
-                                     " is not finite; stopping before the update")
+            batch = feed.next()
+            masks = model.build_masks(batch["doc_ids"], compile_mask=rt.device.type == "cuda")
+            no_sync = rt.dist.enabled and micro_step < cfg.grad_accum - 1
+            with ddp.no_sync() if no_sync else contextlib.nullcontext():
+                with rt.autocast():
+                    loss, stats = forward(*_batch_args(batch), masks=masks)
+                (loss / cfg.grad_accum).backward()  # each backward adds to .grad: a mean
+            feed.prefetch()  # the next row's host->device copy overlaps this step's kernels
+            step_loss += loss.detach() / cfg.grad_accum
+            window.stats += stats.detach()
+            window.tokens += batch["tokens"]
+            window.rows += 1
+        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.max_grad_norm,
+                                                   foreach=True)
+        _guard_nonfinite(optimizer, grad_norm, step, bad_step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loop_state["tokens"] += tokens
-        # EMA of the loss, debiased by the global step count (as Adam debiases its moments),
-        # so that a resumed run logs the same values as an uninterrupted one.
-        loop_state["ema_loss"] = 0.9 * loop_state["ema_loss"] + 0.1 * weighted
-        timed_tokens += tokens
-        timed_steps += 1
+        if rt.dist.enabled:  # the mean over ranks (a device collective, no host sync)
+            step_loss = distributed.all_reduce_sum(step_loss) / rt.dist.world
+        ema.mul_(0.9).add_(0.1 * step_loss)  # debiased by the global step count when logged
+        window.steps += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == num_steps:
-            now = time.perf_counter()
-            dt = (now - t_last) / timed_steps
-            m = {"step": step + 1, "loss": loop_state["ema_loss"] / (1 - 0.9 ** (step + 1)),
-                 "loss_steps": step_losses, "acc": step_accs,
-                 "sim_accept": simulated_acceptance(step_accs), "lr": lr,
-                 "grad_norm": float(grad_norm), "dt_ms": 1000 * dt,
-                 "tok_s": timed_tokens / max(now - t_last, 1e-9),
-                 "data_wait": wait / max(now - t_last, 1e-9), "padding": 1 - tokens / padded}
-            log.info(metrics_line(step + 1, num_steps, m, dt * (num_steps - step - 1)))
-            append_jsonl(metrics_path, m)
-            t_last, wait, timed_tokens, timed_steps = now, 0.0, 0, 0
-    return {"num_steps": num_steps, "tokens": loop_state["tokens"], **last_eval}
+            _raise_if_nonfinite(bad_step)
+            state.tokens += _log_window(step + 1, num_steps, window, ema, grad_norm, lr, feed,
+                                        clock, cfg, rt, metrics, width)
+            window = Window(cfg.ttt_steps, rt.device)
+    metrics.close()
+    timed = clock["history"][1:] or clock["history"]  # the first window holds warm-up/compile
+    return {"num_steps": num_steps, "tokens": state.tokens, **clock["last_eval"],
+            "padding": plan.padding_share(data.train_lengths, width, cfg.max_seq_len),
+            "tok_s": sum(r["tok_s"] for r in timed) / max(len(timed), 1),
+            "data_wait": sum(r["data_wait"] for r in timed) / max(len(timed), 1)}
+
+
+def _maybe_resume(cfg, out_dir, draft, optimizer, plan: RunPlan) -> tuple[LoopState, dict]:
+    saved = load_latest(out_dir / "checkpoints", _checkpoint_config(cfg, draft))
+    if saved is None:
+        return LoopState(), {}
+    check_data_position(saved, plan.rows_per_step, cfg.seed, saved["folder"])
+    draft.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    set_rng_state(saved["rng"])
+    return LoopState(**saved["loop_state"]), saved.get("window", {})
+
+
+def _checkpoint_config(cfg: TrainConfig, draft: Eagle3Draft) -> dict:
+    return {**config_dict(cfg), **draft.cfg.to_dict()}
+
+
+def _save(cfg, out_dir, step, draft, optimizer, state: LoopState, window: Window,
+          plan: RunPlan, rt: Runtime) -> None:
+    if rt.dist.is_main:
+        epoch, row = (plan.locate(step)[0], plan.locate(step)[1] * plan.rows_per_step) \
+            if step < plan.num_steps else (len(plan.epochs), 0)
+        save_checkpoint(out_dir / "checkpoints", step, {
+            "model": draft.state_dict(), "optimizer": optimizer.state_dict(),
+            "loop_state": asdict(state), "window": window.to_dict(),
+            "schedule": {"num_steps": plan.num_steps, "peak_lr": cfg.lr,
+                         "warmup_steps": cfg.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio},
+            "data": {"step": step, "epoch": epoch, "row": row, "seed": cfg.seed,
+                     "rows_per_step": plan.rows_per_step}},
+            _checkpoint_config(cfg, draft), cfg.keep_latest)
+    distributed.barrier()
+
+
+def _run_eval(model, data: TrainData, cfg, rt: Runtime, width: int, step: int,
+              metrics: MetricsLog) -> dict:
+    if not data.eval_files:
+        return {}
+    result = evaluate(model, data.eval_files, data.eval_lengths, cfg, rt, width)
+    log.info("eval step %d | loss %s | acc %s | sim-accept %.2f", step,
+             [round(x, 3) for x in result["eval_loss"]],
+             [round(a, 3) for a in result["eval_acc"]], result["eval_sim_accept"])
+    metrics.write({"step": step, **result})
+    return result
+
+
+def _log_window(step: int, num_steps: int, window: Window, ema, grad_norm, lr: float,
+                feed: DevicePrefetcher, clock: dict, cfg, rt: Runtime, metrics: MetricsLog,
+                width: int) -> int:
+    """Reduce the window over ranks (one host sync), write one log line; returns its tokens."""
+    totals = distributed.all_reduce_sum(torch.cat([window.stats,
+                                                   window.tokens.float().reshape(1)]))
+    m = stats_dict(totals[:-1], cfg.ttt_steps)
+    tokens = int(totals[-1])
+    now = time.perf_counter()
+    elapsed = max(now - clock["t"], 1e-9)
+    rows = window.rows * rt.dist.world
+    rec = {"step": step, "loss": float(ema) / (1 - 0.9 ** step), "loss_steps": m["loss_steps"],
+           "acc": m["acc"], "sim_accept": m["sim_accept"], "lr": lr,
+           "grad_norm": float(grad_norm), "tokens": tokens,
+           "dt_ms": 1000 * elapsed / max(window.steps, 1), "tok_s": tokens / elapsed,
+           "data_wait": (feed.wait_s - clock["wait"]) / elapsed,
+           "padding": 1 - tokens / max(rows * width, 1)}
+    clock["t"], clock["wait"] = now, feed.wait_s
+    if rt.dist.is_main:
+        log.info(metrics_line(rec, num_steps, rec["dt_ms"] / 1000 * (num_steps - step)))
+    metrics.write(rec)
+    clock["history"].append(rec)
+    return tokens
