@@ -37,8 +37,9 @@ from eagle3.benchmark_report import report_markdown, write_plots
 from eagle3.chat import ChatRenderer
 from eagle3.cli import arg, config_dict, parse_config, setup_logging
 from eagle3.launcher import LaunchedServer, sglang_command
-from eagle3.preflight import (check_baseline_server, check_draft_for_run, check_server_pair,
-                              check_speculative_server, raise_on_errors, read_draft_config)
+from eagle3.preflight import (PreflightError, check_baseline_server, check_draft_for_run,
+                              check_server_pair, check_speculative_server, check_streaming,
+                              raise_on_errors, read_draft_config)
 from eagle3.progress import format_summary, human_seconds, progress
 from eagle3.prompts import EVAL_SET, load_prompt_set
 from eagle3.records import JsonlAppender
@@ -136,7 +137,11 @@ def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
     """Preflight of the draft and of the servers given by URL; prints every problem."""
     infos = asyncio.run(_server_infos({"baseline": cfg.baseline_url, "speculative": cfg.spec_url}))
     version = (infos.get("speculative") or {}).get("version") or cfg.sglang_version
-    problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, version)
+    try:
+        problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, version)
+    except PreflightError as e:  # no config or no weights: nothing else can be checked
+        print(f"error: {e}")
+        return 1
     if "baseline" in infos:
         problems += check_baseline_server(infos["baseline"])
     if "speculative" in infos:
@@ -211,6 +216,8 @@ def _check_server(role: str, info: dict, url: str, cfg, draft_dir: Path, notes: 
         version_problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir,
                                                        info.get("version"))
         problems += [p for p in version_problems if p.level == "error"]
+    if cfg.stream:
+        problems += check_streaming(info)
     raise_on_errors(problems, f"{role} server {url}")
     notes += [f"{role} server: {p}" for p in problems]
     spec = info.get("speculative_algorithm")
@@ -227,9 +234,11 @@ def _server(cfg, role: str, draft_dir: Path, stage_dir: Path):
     if cfg.launch_args is None:
         yield cfg.baseline_url if role == "baseline" else cfg.spec_url
         return
-    extra = [] if role == "baseline" else [
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-        *shlex.split(cfg.spec_args)]
+    # Deltas instead of the whole reply in every streamed chunk: the client stays cheap.
+    extra = ["--incremental-streaming-output"] if cfg.stream else []
+    if role == "speculative":
+        extra += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                  str(draft_dir), *shlex.split(cfg.spec_args)]
     command = sglang_command(cfg.sglang_python, cfg.launch_args, cfg.port, extra)
     url = f"http://127.0.0.1:{cfg.port}"
     with LaunchedServer(command, stage_dir / f"server_{role}.log", url, cfg.ready_timeout_s):

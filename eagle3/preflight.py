@@ -325,6 +325,18 @@ def check_server_pair(baseline: dict, speculative: dict) -> list[Problem]:
                                "Start both with the same flags")]
 
 
+def check_streaming(info: dict) -> list[Problem]:
+    """A benchmark that streams (for TTFT) wants deltas, not the whole output in every chunk."""
+    if info.get("incremental_streaming_output"):
+        return []
+    return [Problem("warning", "the server streams cumulative output ids: every chunk re-sends "
+                               "the whole reply (bytes grow with the square of its length), "
+                               "which can make the benchmark client the bottleneck for long "
+                               "replies at high concurrency. Start it with "
+                               "--incremental-streaming-output (05 adds it to servers it "
+                               "launches)")]
+
+
 def check_baseline_server(info: dict) -> list[Problem]:
     """The baseline of a benchmark decodes without a draft."""
     algo = info.get("speculative_algorithm")

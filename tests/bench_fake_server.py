@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--incremental-streaming-output", action="store_true")
     p.add_argument("--load-seconds", type=float, default=0.5)
     p.add_argument("--crash", action="store_true", help="exit at once (a failed start)")
     args, _ = p.parse_known_args(argv)
@@ -137,10 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.crash:
         raise SystemExit("fake sglang: CUDA out of memory while loading weights")
     time.sleep(args.load_seconds)  # loading weights: /model_info does not answer yet
-    info = {k: v for k, v in vars(args).items() if k not in ("load_seconds", "crash")}
+    info = {k: v for k, v in vars(args).items()
+            if k not in ("load_seconds", "crash", "incremental_streaming_output")}
     k = 3 if args.speculative_algorithm == "EAGLE3" else None
-    web.run_app(FakeBenchServer(info, tokens_per_verify=k).app(), host="127.0.0.1",
-                port=args.port, print=None)
+    server = FakeBenchServer(info, tokens_per_verify=k,
+                             incremental=args.incremental_streaming_output)
+    web.run_app(server.app(), host="127.0.0.1", port=args.port, print=None)
 
 
 if __name__ == "__main__":

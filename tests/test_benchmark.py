@@ -225,7 +225,9 @@ def test_benchmark_script_launches_both_servers_and_keeps_their_logs(
     out = tmp_path / "05_benchmark"
     for role in ("baseline", "speculative"):
         assert "fake sglang starting" in (out / f"server_{role}.log").read_text()
-    servers = json.loads((out / "results.json").read_text())["servers"]
+    results = json.loads((out / "results.json").read_text())
+    assert not [n for n in results["preflight"] if "cumulative" in n]  # deltas were asked for
+    servers = results["servers"]
     assert servers["baseline"]["speculative"] is None
     assert servers["speculative"]["speculative"].startswith("EAGLE3, steps 3, topk 1")
 

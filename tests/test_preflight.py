@@ -14,8 +14,8 @@ from eagle3.draft_model import DraftConfig, Eagle3Draft
 from eagle3.export import export_sglang
 from eagle3.preflight import (PreflightError, check_baseline_server, check_draft,
                               check_dump_server, check_server_pair, check_speculative_server,
-                              check_vocab_coverage, layer_report, load_t2d, raise_on_errors,
-                              read_tensor_shapes)
+                              check_streaming, check_vocab_coverage, layer_report, load_t2d,
+                              raise_on_errors, read_tensor_shapes)
 
 # Kimi-K2.5: hidden 7168, vocab 163840, 61 layers -> captures [2, 30, 58]; a 32000-id draft vocab.
 KIMI = DraftConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
@@ -259,3 +259,9 @@ def test_check_speculative_server_warns_when_cuda_graphs_are_off():
     (w,) = check_speculative_server({"speculative_algorithm": "EAGLE3",
                                      "disable_cuda_graph": True}, kimi_config())
     assert w.level == "warning" and "--disable-cuda-graph" in w.message
+
+
+def test_check_streaming_warns_when_server_streams_cumulative_ids():
+    (w,) = check_streaming({"incremental_streaming_output": False})
+    assert "--incremental-streaming-output" in w.message
+    assert check_streaming({"incremental_streaming_output": True}) == []
