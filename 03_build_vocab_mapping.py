@@ -72,10 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                           "coverage": rep["coverage"]})
     rows = {"supervised tokens": rep["supervised_tokens"],
             "distinct ids seen": rep["distinct_ids_seen"],
-            f"coverage at {cfg.draft_vocab}": f"{rep['coverage']:.4f}",
-            "coverage at 8K/16K/32K/64K": json.dumps(
-                {k: round(v, 4) for k, v in rep["coverage_at"].items()}),
-            "time": human_seconds(time.time() - t0)}
+            f"coverage at {cfg.draft_vocab} (chosen)": f"{rep['coverage']:.4f}"}
+    for size, share in rep["coverage_at"].items():
+        rows[f"coverage at {int(size) // 1024}K"] = f"{share:.4f}"
+    rows["top tokens"] = json.dumps([t["token"] for t in rep["top_tokens"][:10]],
+                                    ensure_ascii=False)[:120]
+    rows["report"] = str(stage.dir / "report.json")
+    rows["time"] = human_seconds(time.time() - t0)
     print(format_summary("03 vocab mapping", rows))
     return 0
 

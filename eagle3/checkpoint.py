@@ -37,9 +37,12 @@ def clean_state_dict(state: dict) -> dict:
     """Strip wrapper prefixes (torch.compile `_orig_mod.`, DDP `module.`)."""
     out = {}
     for k, v in state.items():
-        for prefix in ("_orig_mod.", "module."):
-            while k.startswith(prefix):
-                k = k[len(prefix):]
+        stripped = True
+        while stripped:  # in any order and nesting: module._orig_mod.x, _orig_mod.module.x
+            stripped = False
+            for prefix in ("_orig_mod.", "module."):
+                if k.startswith(prefix):
+                    k, stripped = k[len(prefix):], True
         out[k] = v
     return out
 

@@ -23,18 +23,34 @@ class VocabError(ValueError):
     """A vocabulary request that cannot be met; the message names the flag."""
 
 
-def count_supervised(path: Path, target_vocab: int, bar=None) -> np.ndarray:
-    """Occurrences of each target id among supervised tokens of a tokenized JSONL."""
+def count_supervised(path: Path, target_vocab: int, bar=None,
+                     chunk_tokens: int = 1 << 20) -> np.ndarray:
+    """Occurrences of each target id among supervised tokens of a tokenized JSONL.
+
+    Streams the file; supervised ids are buffered up to `chunk_tokens` and then counted with one
+    `bincount`, so memory is O(target_vocab + chunk_tokens) whatever the file size.
+    """
     counts = np.zeros(target_vocab, dtype=np.int64)
+    pending: list[np.ndarray] = []
+    buffered = 0
     for rec in read_jsonl(path):
         ids = np.asarray(rec["input_ids"], dtype=np.int64)
         mask = np.asarray(rec["loss_mask"], dtype=bool)
-        if ids.size and ids.max() >= target_vocab:
-            raise VocabError(f"record {rec['id']}: token id {ids.max()} >= target vocab "
-                             f"{target_vocab} (wrong --target?)")
-        counts += np.bincount(ids[mask], minlength=target_vocab)
+        if ids.shape != mask.shape:
+            raise VocabError(f"record {rec.get('id')}: {ids.size} input_ids but {mask.size} "
+                             "loss_mask values: re-run the stage that wrote it")
+        if ids.size and (ids.max() >= target_vocab or ids.min() < 0):
+            raise VocabError(f"record {rec.get('id')}: token id {ids.max()} outside the target "
+                             f"vocab of {target_vocab} (wrong --target?)")
+        pending.append(ids[mask])
+        buffered += pending[-1].size
+        if buffered >= chunk_tokens:
+            counts += np.bincount(np.concatenate(pending), minlength=target_vocab)
+            pending, buffered = [], 0
         if bar is not None:
             bar.update(1)
+    if pending:
+        counts += np.bincount(np.concatenate(pending), minlength=target_vocab)
     return counts
 
 

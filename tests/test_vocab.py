@@ -59,3 +59,46 @@ def test_demo_mapping_has_unique_ascending_hot_ids(demo_run):
     ids = hot_ids_from_d2t(m["d2t"])
     assert ids.numel() == 256 and (ids[1:] > ids[:-1]).all()
     assert m["t2d"].sum() == 256 and m["t2d"][ids].all()
+
+
+def test_counting_streams_in_bounded_memory_when_the_file_is_large(tmp_path):
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "train.jsonl"
+    with path.open("w") as f:
+        for i in range(20000):  # 600K tokens: 4.8 MB as int64 if held at once
+            ids = rng.integers(0, 1000, 30).tolist()
+            f.write(json.dumps({"id": f"r{i}", "input_ids": ids, "loss_mask": [1] * 30}) + "\n")
+    tracemalloc.start()
+    counts = count_supervised(path, 1000, chunk_tokens=4096)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert counts.sum() == 600_000
+    assert peak < 1_000_000, peak  # the counter (8 KB), one chunk and one record
+
+
+def test_counting_refuses_a_record_whose_mask_length_differs(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"id": "bad", "input_ids": [1, 2, 3], "loss_mask": [1, 1]}) + "\n")
+    with pytest.raises(VocabError, match="record bad"):
+        count_supervised(path, 10)
+
+
+def test_report_gives_coverage_at_each_size_and_the_top_tokens():
+    from eagle3.vocab import report
+
+    class Tok:
+        def convert_ids_to_tokens(self, i):
+            return f"<{i}>"
+
+    counts = np.zeros(70000, dtype=np.int64)
+    counts[:70000] = 1
+    counts[5] = 30000  # one very frequent token
+    rep = report(counts, select_hot_ids(counts, 8192), Tok(), top=3)
+    total = 30000 + 69999
+    assert rep["supervised_tokens"] == total
+    assert rep["coverage"] == pytest.approx((30000 + 8191) / total)
+    assert rep["coverage_at"]["8192"] == pytest.approx((30000 + 8191) / total)
+    assert rep["coverage_at"]["65536"] == pytest.approx((30000 + 65535) / total)
+    assert [t["token"] for t in rep["top_tokens"]] == ["<5>", "<0>", "<1>"]
