@@ -196,3 +196,43 @@ def test_demo_training_lowers_the_loss_and_raises_acceptance_above_an_untrained_
     assert math.isfinite(summary["tok_s"]) and 0.0 <= summary["padding"] < 0.5
     assert sorted(p.name for p in (demo_run / "04_train/plots").glob("*.png")) == [
         "accuracy.png", "loss.png", "lr.png", "sim_accept.png", "throughput.png"]
+
+
+# ---------------------------------------------------------------- FLOP count
+
+
+def test_flop_count_matches_torch_flop_counter_when_attention_is_dense():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from eagle3.flops import micro_step_flops
+
+    draft, embed, teacher = th.tiny_parts()
+    model = TTTModel(draft, embed, teacher, steps=3, step_weight=0.8)
+    T = 20
+    ids, mask = torch.randint(0, th.VT, (1, T)), torch.ones(1, T, dtype=torch.long)
+    doc, pos = torch.zeros(1, T, dtype=torch.int32), torch.arange(T)[None]
+    aux, final = torch.randn(1, T, 3 * th.H), torch.randn(1, T, th.H)
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = model(ids, mask, doc, pos, aux, final)
+        loss.backward()
+    expected = micro_step_flops(draft.cfg, T, [T], 3, dense_attention=True)
+    assert counter.get_total_flops() == expected.train
+    exact = micro_step_flops(draft.cfg, T, [T], 3)  # what MFU counts: visible keys only
+    assert exact.attention < expected.attention and exact.fc == expected.fc
+
+
+def test_flop_count_at_kimi_dimensions_counts_fc_once_per_row():
+    from eagle3.draft_model import DraftConfig
+    from eagle3.flops import micro_step_flops
+
+    cfg = DraftConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
+                      head_dim=128, intermediate_size=18432, vocab_size=163840,
+                      draft_vocab_size=32000, target_hidden_size=7168)
+    f = micro_step_flops(cfg, 4096, [4096], 7)
+    per_token = f.train / 4096
+    # 7 steps x 3 x 2.0734 GF of GEMMs, fc 2 x 0.308 GF, teacher 0.459 GF, causal attention
+    gemm = 2 * (14336 * 24576 + 8192 * 7168 + 3 * 7168 * 18432 + 7168 * 32000)
+    attn = sum(4 * 64 * 128 * (4096 * 4097 // 2 + s * 4096) for s in range(7)) / 4096
+    assert per_token == pytest.approx(21 * gemm + 3 * attn + 2 * 2 * 21504 * 7168
+                                      + 2 * 7168 * 32000)
+    assert 45e9 < per_token < 47e9
