@@ -78,6 +78,7 @@ class ChatRenderer:
         self.end_of_turn_id = self.tokenizer.convert_tokens_to_ids(eot)
         self._anchors = _AddedTokens(self.tokenizer)
         self._cut_after_anchor = self._probe_cut_after_anchor()
+        self._backend = self._probe_backend()
         specials = sorted(self._anchors.special, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
@@ -221,9 +222,20 @@ class ChatRenderer:
         return ids, at
 
     def _encode_many(self, pieces: list[str]) -> list[list[int]]:
-        if len(pieces) == 1:
-            return [self.encode(pieces[0])]
-        return self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+        if self._backend is not None:  # same ids as tokenizer(...), without its wrapping
+            return [e.ids for e in self._backend.encode_batch(pieces, add_special_tokens=False)]
+        return [self.encode(p) for p in pieces]
+
+    def _probe_backend(self):
+        """The `tokenizers` backend of a fast tokenizer, if it encodes exactly as the
+        tokenizer's own call does on probes with special tokens; else None."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if not getattr(self.tokenizer, "is_fast", False) or not hasattr(backend, "encode_batch"):
+            return None
+        probes = ["Hello world", " x\n\ny ", self.tokenizer.eos_token or "", "{\"a\": [1, 2]}"]
+        probes.append("".join(probes) + (self._anchors.probe_token() or ""))
+        got = [e.ids for e in backend.encode_batch(probes, add_special_tokens=False)]
+        return backend if got == [self.encode(p) for p in probes] else None
 
     def _is_hard_cut(self, text: str, c: int) -> bool:
         a = self._anchors

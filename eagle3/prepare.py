@@ -121,9 +121,33 @@ def _render_kept(conv: dict, spec: DatasetSpec, ctx: RowContext, out: Outcome) -
         rid = conv["id"] if len(samples) == 1 else f"{conv['id']}#{k}"
         rec = TokenizedRecord(rid, spec.name, s.input_ids, s.loss_mask, s.n_prompt_tokens,
                               "dataset")
-        out.tok_lines.append(json_line(rec.to_json()))
+        out.tok_lines.append(tokenized_line(rec))
         out.tokens += len(s.input_ids)
         out.supervised += sum(s.loss_mask)
+
+
+def tokenized_line(rec: TokenizedRecord) -> bytes:
+    """`json_line(rec.to_json())`, byte for byte, written faster: the loss mask is a few runs
+    of 0s and 1s, written run by run (JSON encoding is a visible share of the stage's time)."""
+    d = rec.to_json()
+    head = json.dumps({"id": d["id"], "source": d["source"]}, ensure_ascii=False)[:-1]
+    tail = json.dumps({k: d[k] for k in ("seq_len", "n_prompt_tokens", "n_response_tokens",
+                                         "finish_reason")}, ensure_ascii=False)[1:]
+    return (f'{head}, "input_ids": {json.dumps(d["input_ids"])}, "loss_mask": '
+            f'[{_mask_text(d["loss_mask"])}], {tail}\n').encode("utf-8")
+
+
+def _mask_text(mask: list[int]) -> str:
+    parts, i, n = [], 0, len(mask)
+    while i < n:
+        v = mask[i]
+        try:
+            j = mask.index(1 - v, i)
+        except ValueError:
+            j = n
+        parts.append(("1, " if v else "0, ") * (j - i))
+        i = j
+    return "".join(parts)[:-2]
 
 
 def _fit(conv: dict, limit: int, ctx: RowContext, out: Outcome) -> list[Sample]:
