@@ -99,13 +99,14 @@ class TTTModel(nn.Module):
             return None
         return TTTMasks(doc_ids_BT, compile_mask).all_steps(self.steps)
 
-    def unroll(self, input_ids, doc_ids, positions, aux, masks=None):
-        """Yield the draft logits `[B, T, V]` of steps 0..K-1 (row t = anchor t; rows whose
-        token t+1+k lies outside the sequence are garbage that no valid row ever attends to)."""
+    def unroll(self, input_ids, doc_ids, positions, aux, masks=None) -> list:
+        """The draft logits `[B, T, V]` of steps 0..K-1 (row t = anchor t; rows whose token
+        t+1+k lies outside the sequence are garbage that no valid row ever attends to)."""
         T = input_ids.shape[1]
         hidden = self.draft.fc(aux.to(self.compute_dtype))  # once per batch, not per step
         keys, values, cache = [], [], StepCache()
         anchors = torch.arange(T, device=input_ids.device)
+        out = []  # a list, not a generator: simpler for torch.compile to trace
         for k in range(self.steps):
             embeds = F.embedding(shift_rows(input_ids, 1 + k), self.embed)
             if self.attention == "flex":
@@ -114,7 +115,8 @@ class TTTModel(nn.Module):
             else:
                 logits, hidden = self.draft.step(embeds, hidden, positions + k, cache, anchors,
                                                  doc_ids)
-            yield logits
+            out.append(logits)
+        return out
 
     def forward(self, input_ids, loss_mask, doc_ids, positions, aux, final, masks=None):
         """(weighted loss, stats `[3K+2]`) of one packed batch; shapes `[B, T]`, aux
@@ -128,8 +130,7 @@ class TTTModel(nn.Module):
         ce_sums, hit_sums, weight_sums = [], [], []
         chain = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
         accept = torch.zeros((), device=input_ids.device)
-        steps = self.unroll(input_ids, doc_ids, positions, aux, masks)
-        for k, logits in enumerate(steps):
+        for k, logits in enumerate(self.unroll(input_ids, doc_ids, positions, aux, masks)):
             n = 1 + k  # this step read token t+n and is scored against the target at t+n
             same_seq = (shift_rows(doc_ids, n, -2) == doc_ids) & (doc_ids >= 0)
             weight = (same_seq & shift_rows(loss_mask, n).bool())[:, : T - n]

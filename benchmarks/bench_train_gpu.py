@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""Training-step throughput of the EAGLE-3 trainer at Kimi-K2.5 draft dimensions.
+
+Hidden 7168, 64 heads x 128, intermediate 18432, draft vocab 32000, target vocab 163840, TTT 7,
+one sequence of 4096 tokens per micro-step, synthetic weights and hidden states. Prints and
+writes to `$OUT/bench_train.json` (default ./bench_out): tokens/s per GPU, step time, peak
+memory, MFU (exact FLOPs, eagle3/flops.py), the share of the step in fwd+bwd / clip / optimizer,
+host syncs per step, the data-wait share of the real loader (hidden-state files on local disk
+read by worker processes), and the DDP scaling on 2 GPUs (spawned through torchrun).
+
+Configurations (each runs on its own; a failure is recorded and the next one runs):
+  flex          flex-attention kernel compiled, the rest eager (the trainer's default on CUDA)
+  flex+compile  the whole TTT forward under torch.compile (the trainer's --compile)
+  loader        the faster of the two, fed by the real loader from files (data-wait share)
+  ddp2          the faster of the two on 2 GPUs (torchrun --nproc-per-node 2)
+
+H200 (one command, ~6-8 minutes, needs 2 GPUs for the DDP row; with 1 GPU it is skipped):
+    python benchmarks/bench_train_gpu.py
+CPU smoke test (toy sizes, naive attention, DDP over gloo):
+    python benchmarks/bench_train_gpu.py --device cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eagle3 import distributed  # noqa: E402
+from eagle3 import hidden_states as hs  # noqa: E402
+from eagle3.data import DevicePrefetcher, PackedRows, make_loader  # noqa: E402
+from eagle3.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagle3.flops import micro_step_flops  # noqa: E402
+from eagle3.stage import atomic_torch_save  # noqa: E402
+from eagle3.ttt import TTTModel  # noqa: E402
+
+H200_BF16_PEAK = 989e12  # dense bf16 spec; sustained power-capped GEMMs reach ~650-680e12
+KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
+            intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,
+            target_hidden_size=7168, capture_layers=[2, 30, 58])
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+            intermediate_size=128, vocab_size=554, draft_vocab_size=256, target_hidden_size=64,
+            capture_layers=[2, 4, 5])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
+    p.add_argument("--tiny", action="store_true", help="toy dimensions (CPU smoke test)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per micro-step (default 4096)")
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=12, help="timed optimizer steps per config")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps first (compile)")
+    p.add_argument("--configs", nargs="+", default=["flex", "loader", "ddp2", "flex+compile"],
+                   help="run in this order; the loader and ddp2 rows use the fastest config "
+                        "timed before them")
+    p.add_argument("--budget-s", type=float, default=540,
+                   help="skip configs not started within this many seconds (default 540)")
+    p.add_argument("--num-workers", type=int, default=4, help="loader workers (loader config)")
+    p.add_argument("--out", default=None, help="results folder (default: $OUT or ./bench_out)")
+    p.add_argument("--ddp-worker", default=None, help=argparse.SUPPRESS)  # torchrun child
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- setup
+
+
+def build(args, device: torch.device, compile_forward: bool):
+    """(model, optimizer, forward) at the benchmark dimensions, synthetic weights."""
+    cfg = DraftConfig(**(TINY if args.tiny else KIMI))
+    torch.manual_seed(0)
+    with torch.device(device):
+        draft = Eagle3Draft(cfg)
+        for p in draft.parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+        embed = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16) * 0.02
+        teacher = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, dtype=torch.bfloat16) * 0.02
+    cuda = device.type == "cuda"
+    model = TTTModel(draft, embed, teacher, args.ttt_steps, 0.8, "flex" if cuda else "naive",
+                     torch.bfloat16 if cuda else torch.float32)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
+    return model, optimizer, cfg
+
+
+def synthetic_batch(cfg: DraftConfig, seq: int, device) -> dict:
+    g = torch.Generator().manual_seed(1)
+    Ht = cfg.target_hidden_size
+    batch = {"input_ids": torch.randint(0, cfg.vocab_size, (1, seq), generator=g),
+             "loss_mask": torch.ones(1, seq, dtype=torch.long),
+             "doc_ids": torch.zeros(1, seq, dtype=torch.int32),
+             "positions": torch.arange(seq)[None],
+             "aux": torch.randn(1, seq, 3 * Ht, generator=g).to(torch.bfloat16),
+             "final": torch.randn(1, seq, Ht, generator=g).to(torch.bfloat16),
+             "tokens": torch.tensor(seq)}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def write_files(cfg: DraftConfig, seq: int, n: int, root: Path) -> list[Path]:
+    """`n` hidden-state files of `seq` tokens in the PIPELINE.md layout (bf16)."""
+    files = []
+    for i in range(n):
+        b = synthetic_batch(cfg, seq, "cpu")
+        Ht = cfg.target_hidden_size
+        aux = [b["aux"][0, :, j * Ht:(j + 1) * Ht] for j in range(3)]
+        data = hs.pack(b["input_ids"][0], b["loss_mask"][0], aux, b["final"][0],
+                       {"id": f"bench/{i}", "capture_layers": cfg.capture_layers})
+        atomic_torch_save(data, hs.file_path(root, i))
+        files.append(hs.file_path(root, i))
+    return files
+
+
+# ---------------------------------------------------------------- the timed loop
+
+
+def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
+        dist_info: distributed.DistInfo | None = None) -> dict:
+    """Time `args.steps` optimizer steps (after `args.warmup`); one micro-step per step."""
+    dist_info = dist_info or distributed.DistInfo()
+    cuda = device.type == "cuda"
+    model, optimizer, cfg = build(args, device, compile_forward)
+    ddp = distributed.wrap(model, dist_info, device)
+    forward = torch.compile(ddp) if compile_forward else ddp
+    total = args.warmup + args.steps
+    tmp = None
+    if use_loader:
+        tmp = Path(tempfile.mkdtemp(prefix="bench_hs_"))
+        files = write_files(cfg, args.seq, min(total, 16), tmp)
+        rows = [[i % len(files)] for i in range(total)]
+        feed = DevicePrefetcher(make_loader(PackedRows(files, rows, args.seq, args.seq),
+                                            args.num_workers, cuda), device)
+    else:
+        fixed = synthetic_batch(cfg, args.seq, device)
+    flops = micro_step_flops(cfg, args.seq, [args.seq], args.ttt_steps).train
+    events, state = [], {}
+
+    def one_step(timed: bool) -> None:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else None
+        batch = feed.next() if use_loader else fixed
+        if ev:
+            ev[0].record()
+        masks = model.build_masks(batch["doc_ids"], compile_mask=cuda)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss, _ = forward(batch["input_ids"], batch["loss_mask"], batch["doc_ids"],
+                              batch["positions"], batch["aux"], batch["final"], masks=masks)
+        loss.backward()
+        if use_loader:
+            feed.prefetch()
+        if ev:
+            ev[1].record()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.draft.parameters(), 0.5, foreach=True)
+        if cuda:
+            optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # as the trainer does
+        if ev:
+            ev[2].record()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ev:
+            ev[3].record()
+            events.append(ev)
+        state["loss"] = loss.detach()
+
+    for step in range(total):
+        if step == args.warmup:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            wall, wait0 = time.perf_counter(), (feed.wait_s if use_loader else 0.0)
+        if cuda and step == total - 1:  # the last step runs under torch's sync detector
+            state["syncs"] = count_syncs(lambda: one_step(True))
+        else:
+            one_step(cuda and step >= args.warmup)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - wall
+    out = {"step_ms": 1000 * seconds / args.steps,
+           "tokens_per_s_per_gpu": args.seq * args.steps / seconds,
+           "train_flops_per_step": flops,
+           "mfu_vs_989T": flops * args.steps / seconds / H200_BF16_PEAK,
+           "final_loss": float(state["loss"]), "attention": model.attention}
+    if use_loader:
+        out["data_wait_share"] = (feed.wait_s - wait0) / seconds
+    if events:
+        phase = [[a.elapsed_time(b) for a, b in zip(ev[:-1], ev[1:])] for ev in events]
+        tot = sum(sum(p) for p in phase)
+        for i, name in enumerate(("fwd_bwd", "clip", "optimizer")):
+            out[f"{name}_share"] = sum(p[i] for p in phase) / tot
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["host_syncs_per_step"] = state["syncs"]
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def count_syncs(fn) -> int:
+    """Host-device synchronisations `fn` makes (torch's sync debug mode reports each one as a
+    warning; an all-reduce or a kernel launch is not a host sync)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def gemm_tflops(device: torch.device) -> float:
+    """A plain bf16 8192^3 GEMM's rate on this GPU (the attainable ceiling for MFU)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def ddp_child(args) -> int:
+    """One torchrun rank of the DDP configuration; rank 0 writes its JSON."""
+    info = distributed.env_dist_info()
+    device = distributed.init(info, args.device)
+    name = args.ddp_worker
+    result = run(args, device, compile_forward=name.endswith("compile"), use_loader=False,
+                 dist_info=info)
+    if info.is_main:
+        Path(args.out, "ddp.json").write_text(json.dumps(result))
+    distributed.shutdown()
+    return 0
+
+
+def run_ddp(args, best: str, world: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+           "--master-port=29517", str(Path(__file__).resolve()), "--device", args.device,
+           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--ttt-steps", str(args.ttt_steps), "--out", args.out, "--ddp-worker", best]
+    if args.tiny:
+        cmd.append("--tiny")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(Path(args.out, "ddp.json").read_text())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out = args.out or os.environ.get("OUT") or "bench_out"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.ddp_worker:
+        return ddp_child(args)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    results = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+               "torch": torch.__version__, "dims": TINY if args.tiny else KIMI,
+               "seq": args.seq, "ttt_steps": args.ttt_steps, "steps": args.steps,
+               "configs": {}}
+    if cuda:
+        results["gemm_bf16_tflops"] = gemm_tflops(device)
+    t0 = time.perf_counter()
+    for name in args.configs:
+        if time.perf_counter() - t0 > args.budget_s:
+            results["configs"][name] = {"skipped": f"time budget of {args.budget_s:.0f}s spent"}
+            continue
+        results["configs"][name] = run_config(args, name, device, results)
+    path = Path(args.out) / "bench_train.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(report(results))
+    print(f"results: {path}")
+    return 0
+
+
+def run_config(args, name: str, device: torch.device, results: dict) -> dict:
+    """One configuration, its failure recorded instead of raised."""
+    cuda = device.type == "cuda"
+    timed = {k: v for k, v in results["configs"].items()
+             if "tokens_per_s_per_gpu" in v and k in ("flex", "flex+compile")}
+    best = max(timed, key=lambda k: timed[k]["tokens_per_s_per_gpu"]) if timed else "flex"
+    if name == "flex+compile" and not cuda:
+        return {"skipped": "torch.compile rows run on CUDA only"}
+    if name in ("flex", "flex+compile"):
+        return attempt(lambda: run(args, device, name == "flex+compile", False), name)
+    if name == "loader":
+        out = attempt(lambda: run(args, device, best == "flex+compile", True), name)
+        return {"config": best, **out}
+    if name == "ddp2":
+        if cuda and torch.cuda.device_count() < 2:
+            return {"skipped": "fewer than 2 GPUs visible"}
+        out = attempt(lambda: run_ddp(args, best, 2), name)
+        if "tokens_per_s_per_gpu" in out and best in timed:
+            out["scaling_efficiency"] = (out["tokens_per_s_per_gpu"]
+                                         / timed[best]["tokens_per_s_per_gpu"])
+        return {"config": best, **out}
+    return {"error": f"unknown config {name!r}"}
+    path = Path(args.out) / "bench_train.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(report(results))
+    print(f"results: {path}")
+    return 0
+
+
+def attempt(fn, name: str) -> dict:
+    t = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark row records its failure and goes on
+        out = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+    out["wall_s"] = time.perf_counter() - t
+    print(f"[{name}] {json.dumps(out)}", flush=True)
+    return out
+
+
+def report(results: dict) -> str:
+    lines = [f"{results['device']}, torch {results['torch']}, seq {results['seq']}, "
+             f"TTT {results['ttt_steps']}"]
+    if "gemm_bf16_tflops" in results:
+        lines.append(f"plain bf16 GEMM: {results['gemm_bf16_tflops']:.0f} TFLOP/s")
+    columns = [("tokens_per_s_per_gpu", "tok/s/GPU", "{:,.0f}"), ("step_ms", "step ms", "{:.0f}"),
+               ("mfu_vs_989T", "MFU", "{:.1%}"), ("peak_memory_gib", "peak GiB", "{:.1f}"),
+               ("optimizer_share", "optim", "{:.1%}"), ("data_wait_share", "data-wait", "{:.1%}"),
+               ("host_syncs_per_step", "syncs", "{}"),
+               ("scaling_efficiency", "DDP eff.", "{:.2f}")]
+    lines.append(f"{'config':<14}" + "".join(f"{title:>11}" for _, title, _ in columns))
+    for name, r in results["configs"].items():
+        if "tokens_per_s_per_gpu" not in r:
+            lines.append(f"{name:<14}{r.get('error', r.get('skipped', ''))[:200]}")
+            continue
+        cells = [fmt.format(r[key]) if r.get(key) is not None else "-"
+                 for key, _, fmt in columns]
+        lines.append(f"{name:<14}" + "".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
