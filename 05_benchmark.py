@@ -107,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         require_upstream(cfg.workdir / "01c_merged", cfg.allow_partial)
     if cfg.draft is None:
         require_upstream(cfg.workdir / "04_train", cfg.allow_partial)
+    problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, cfg.sglang_version)
+    raise_on_errors(problems, f"draft {draft_dir}")  # before any folder is made or server started
     stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
     if stage is None:
         return 0
     t0 = time.time()
-    problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, cfg.sglang_version)
-    raise_on_errors(problems, f"draft {draft_dir}")
     renderer = ChatRenderer(load_tokenizer(cfg.target)) if cfg.target else None
     sets = [load_prompt_set(s, cfg.workdir, renderer, cfg.num_prompts) for s in cfg.prompt_sets]
     if EVAL_SET in cfg.prompt_sets:

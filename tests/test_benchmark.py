@@ -296,3 +296,17 @@ def test_offline_report_marks_sampling_runs_as_not_token_checked():
             "speedup": 2.0, "lossless_mismatches": None}}}}}
     assert "| eval | 1.0 | 3 | 2.500 | 0.90, 0.50, 0.10 | 20.0 | 10.0 | 2.00 | n/a (sampling) |" \
         in report_markdown(results)
+
+
+def test_benchmark_script_refuses_a_draft_before_starting_anything(tmp_path, tiny_target_dir,
+                                                                   tiny_draft):
+    import shutil
+
+    bad = Path(shutil.copytree(tiny_draft, tmp_path / "bad"))
+    config = json.loads((bad / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    (bad / "config.json").write_text(json.dumps(config))
+    argv = _sglang_argv(tmp_path, tiny_target_dir, bad, "--launch-args", "--model-path m")
+    with pytest.raises(PreflightError, match="eagle_aux_hidden_state_layer_ids"):
+        _bench(argv)
+    assert not (tmp_path / "05_benchmark").exists()
