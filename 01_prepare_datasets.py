@@ -118,11 +118,13 @@ def _contract(spec) -> dict:
 def _summary_rows(datasets: dict, seconds: float, disk: int, out: Path) -> dict:
     rows = {}
     for name, c in datasets.items():
-        top = sorted(c["quarantine_reasons"].items(), key=lambda kv: -kv[1])[:3]
-        why = ", ".join(f"{k} {v}" for k, v in top)
         rows[name] = (f"{c['records']:,} rec ({c['mode']}), {c['samples']:,} samples, "
-                      f"{c['tokens']:,} tok, quarantined {c['quarantined']:,}"
-                      + (f" ({why})" if why else ""))
+                      f"{c['tokens']:,} tok, {c['truncated']:,} cut to fit, "
+                      f"quarantined {c['quarantined']:,}")
+        reasons = sorted(c["quarantine_reasons"].items(), key=lambda kv: (-kv[1], kv[0]))
+        for k in range(0, len(reasons), 4):  # every reason, four a line
+            rows[f"  quarantine{'' if k else ':'}" + " " * (k // 4)] = ", ".join(
+                f"{kind} {n}" for kind, n in reasons[k: k + 4])
     total_rows = sum(c["rows_read"] for c in datasets.values())
     total_tokens = sum(c["tokens"] for c in datasets.values())
     rows.update(records=sum(c["records"] for c in datasets.values()),
