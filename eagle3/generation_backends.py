@@ -19,6 +19,8 @@ the re-rendered reply can differ from the tokens the server generated:
 - re-tokenizing text picks the tokenizer's canonical split, not necessarily the model's;
 - reasoning and tool-call parsers move text between fields, may strip whitespace, and
   re-serialize tool arguments (key order, spacing);
+- a reply without reasoning is rendered with whatever the template puts there (the tiny
+  target's: an empty `<think></think>`), whether or not the model emitted it;
 - a reply cut by the length limit is rendered closed (`</think>` when cut inside reasoning, and
   the end-of-turn token, which we remove again: the target did not produce it).
 Use `sglang` for training data whenever the server has `/generate`.
