@@ -18,7 +18,6 @@ Real run, one 8-GPU host (several hosts: add --nnodes/--node-rank/--rdzv-endpoin
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 
@@ -64,12 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if not capture_layers:
         raise SystemExit("02b_hidden_states/manifest.json names no capture_layers: re-run 02b")
     layer_ids_for(capture_layers, cfg.sglang_version)  # refuse an unservable layout up front
-    done = (read_manifest(cfg.workdir / STAGE) or {}).get("complete") and not cfg.force
+    done = bool((read_manifest(cfg.workdir / STAGE) or {}).get("complete")) and not cfg.force
+    # rank 0 opens the stage (a no-op that says so when complete; --force clears the folder)
     stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force) \
-        if dist_info.is_main and not done else None
-    distributed.barrier()  # rank 0 has (re)created the stage folder
+        if dist_info.is_main else None
+    distributed.barrier()
     if done:
-        logging.getLogger(__name__).info("%s is complete; pass --force to retrain", STAGE)
+        distributed.shutdown()
         return 0
     t0 = time.time()
     stage_dir = cfg.workdir / STAGE

@@ -14,8 +14,10 @@ python 01b_generate_synthetic.py --workdir "$W" --target "$T" --backend hf --max
 python datasets/merge_and_shuffle.py --workdir "$W" --eval-fraction 0.1
 python 02b_extract_hidden_states_sglang.py --workdir "$W" --target "$T" --backend hf
 python 03_build_vocab_mapping.py --workdir "$W" --target "$T" --draft-vocab 256
-python 04_train.py --workdir "$W" --target "$T" --epochs 4 --lr 1e-3 --num-workers 0 \
-    --eval-every 100 --log-every 50
+# 04: one intra-op thread: the tiny draft's ops are too small to gain from more, and
+# oversubscribed threads on a busy machine slow them down tenfold.
+OMP_NUM_THREADS=1 python 04_train.py --workdir "$W" --target "$T" --epochs 6 --lr 1e-3 \
+    --max-seq-len 512 --num-workers 1 --eval-every 100 --log-every 50
 python 05_benchmark.py --workdir "$W" --target "$T" --backend hf --steps 3 7 \
     --max-new-tokens 32 --num-prompts 8
 python -m eagle3.run_summary "$W"

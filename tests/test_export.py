@@ -73,3 +73,17 @@ def test_export_has_exactly_the_pipeline_keys_and_tensors(tmp_path):
     assert not any("embed" in k for k in shapes)
     back = load_draft(tmp_path)
     assert back.cfg.capture_layers == [2, 4, 5]
+
+
+def test_demo_exports_every_expected_tensor_and_nothing_else(demo_run):
+    from eagle3.export import draft_config_from_sglang
+    from eagle3.speculators_export import speculators_name
+
+    final = demo_run / "04_train/final"
+    cfg = draft_config_from_sglang(json.loads((final / "config.json").read_text()))
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes == expected_tensors(cfg)
+    with safe_open(str(demo_run / "04_train/final_speculators/model.safetensors"), "pt") as f:
+        spec = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert spec == {speculators_name(k): v for k, v in expected_tensors(cfg).items()}

@@ -169,7 +169,7 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_batch_with_the_same_loss_curv
 
 
 def test_demo_training_lowers_the_loss_and_raises_acceptance_above_an_untrained_draft(
-        demo_run, target_model):
+        demo_run, target_model, tokenizer):
     from eagle3.benchmark import PromptSet, run_offline
     from eagle3.export import load_draft
     from eagle3.records import read_jsonl
@@ -179,14 +179,19 @@ def test_demo_training_lowers_the_loss_and_raises_acceptance_above_an_untrained_
     records = read_metrics(demo_run / "04_train/metrics.jsonl")
     train_recs = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_acc" in r]
-    assert train_recs[-1]["loss"] < 0.9 * train_recs[0]["loss"]
-    assert evals[-1]["eval_acc"][0] > evals[0]["eval_acc"][0] + 0.2  # step 0 is untrained
+    # the soft CE is bounded below by the teacher's entropy (~5 nats on the tiny target)
+    assert train_recs[-1]["loss"] < train_recs[0]["loss"]
+    assert evals[0]["step"] == 0  # the untrained draft is evaluated first
+    assert evals[-1]["eval_loss"][0] < evals[0]["eval_loss"][0] - 0.3
+    assert evals[-1]["eval_acc"][0] > evals[0]["eval_acc"][0] + 0.2
     trained = load_draft(demo_run / "04_train/final")
     untrained = build_draft(trained.cfg, 0, trained.d2t, trained.t2d)
     prompts = [r["input_ids"][: r["n_prompt_tokens"]]
                for r in read_jsonl(demo_run / "01c_merged/eval.jsonl")][:4]
     embed = load_embedding(demo_run / "target")
-    eos = {int(target_model.config.eos_token_id or 0)}
+    from eagle3.chat import ChatRenderer
+
+    eos = {ChatRenderer(tokenizer).end_of_turn_id}
     results = {name: run_offline(target_model, d, embed, PromptSet("eval", prompts), [3], 24,
                                  eos)["steps"]["3"]["acceptance_length"]
                for name, d in (("trained", trained), ("untrained", untrained.eval()))}
