@@ -312,3 +312,17 @@ def test_prepare_output_is_identical_when_killed_at_random_moments_and_rerun(
                 (name, f)
         assert not (tmp_path / "run/01_prepared" / name / "parts").exists()
     assert json.loads((tmp_path / "run/01_prepared/manifest.json").read_text())["complete"]
+
+
+def test_shipped_recipes_load_and_the_kimi_mix_is_about_ten_sources_of_100k(tmp_path):
+    from eagle3.recipes import load_recipe
+
+    demo = load_recipe(ROOT / "datasets" / "demo.json")
+    assert all(s.path.is_file() for s in demo.datasets)
+    mix = load_recipe(ROOT / "datasets" / "kimi_k25_mix.json")
+    raw = json.loads((ROOT / "datasets" / "kimi_k25_mix.json").read_text())
+    assert len(mix.datasets) >= 10 and 90_000 <= sum(s.count for s in mix.datasets) <= 110_000
+    for entry in raw["datasets"]:  # each says adapter and count; defaults give the rest
+        assert {"name", "adapter", "count"} <= set(entry)
+    assert all(s.max_seq_len >= 8192 and s.regenerate for s in mix.datasets)
+    assert not (ROOT / "datasets" / "__init__.py").exists()
