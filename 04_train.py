@@ -43,12 +43,16 @@ def load_data(cfg: TrainConfig, stage_dir, is_main: bool) -> TrainData:
     """File lists and token counts of both splits (counted once, cached in the stage folder)."""
     root = cfg.workdir / "02b_hidden_states"
     out = {}
+    if not is_main:
+        distributed.barrier()  # rank 0 counts first; the others read its cache
     for split in ("train", "eval"):
         files = list_files(root / split)
         bar = progress(total=len(files), desc=f"04 index {split}", unit="file") if is_main else None
         out[split] = (files, sample_lengths(files, stage_dir / f"lengths_{split}.json", bar))
         if bar is not None:
             bar.close()
+    if is_main:
+        distributed.barrier()
     return TrainData(*out["train"], *out["eval"])
 
 
