@@ -37,7 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("train_plan_v4.md", "README.md")
 SGLANG_VERSION = "0.5.23"  # the release the plan's server commands are written for
 KIMI_TARGET = "/models/Kimi-K2.5"  # the plan's target folder; the tiny target stands in here
-PENDING_RECIPE = "datasets/kimi_k25_mix.json"  # being written alongside this plan
 # Modules whose main() has no parser and is harmless to run (prints a table).
 NO_PARSER_OK = {"eagle3.run_summary"}
 
@@ -309,12 +308,7 @@ SGLANG = [c for c in ALL if kind(c) == "sglang"] + [e for c in OURS
 
 @pytest.mark.parametrize("cmd", OURS, ids=[c.where for c in OURS])
 def test_doc_command_parses_with_the_scripts_own_parser(cmd, tiny_target_dir):
-    try:
-        check_ours(cmd, {KIMI_TARGET: str(tiny_target_dir)})
-    except AssertionError as e:
-        if f"{PENDING_RECIPE} does not exist" in str(e):  # remove once the recipe is in
-            pytest.xfail(f"{PENDING_RECIPE} (the Kimi-K2.5 mix) is not in the repository yet")
-        raise
+    check_ours(cmd, {KIMI_TARGET: str(tiny_target_dir)})
 
 
 def test_plan_has_a_command_for_every_stage_and_server():
