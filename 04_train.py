@@ -9,8 +9,8 @@ rows of the draft vocabulary. Writes checkpoints to `<workdir>/04_train/checkpoi
 speculators-format folder `<workdir>/04_train/final_speculators/`.
 
 Tiny target (demo):
-    python 04_train.py --workdir runs/demo --target runs/demo/target --epochs 8 --lr 1e-3 \
-        --max-seq-len 512 --num-workers 0 --eval-every 100 --log-every 50
+    OMP_NUM_THREADS=1 python 04_train.py --workdir runs/demo --target runs/demo/target \
+        --epochs 6 --lr 1e-3 --max-seq-len 512 --num-workers 1 --eval-every 100 --log-every 50
 Real run, one 8-GPU host (several hosts: add --nnodes/--node-rank/--rdzv-endpoint):
     torchrun --nproc-per-node 8 04_train.py --workdir runs/kimi-k25 --target /models/Kimi-K2.5 \
         --device cuda --epochs 3 --lr 1e-4 --grad-accum 2 --compile

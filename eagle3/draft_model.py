@@ -194,7 +194,8 @@ class TTTMasks:
         full_indices[..., :nb] = base.full_kv_indices[..., :nb]
         return BlockMask.from_kv_blocks(
             base.kv_num_blocks + s, kv_indices, base.full_kv_num_blocks, full_indices,
-            BLOCK_SIZE=FLEX_BLOCK, mask_mod=self._mask_mod(s), seq_lengths=(self.T, width * FLEX_BLOCK))
+            BLOCK_SIZE=FLEX_BLOCK, mask_mod=self._mask_mod(s),
+            seq_lengths=(self.T, width * FLEX_BLOCK))
 
 
 _compiled_flex = None
@@ -225,7 +226,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
-        h, kv, d, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H = cfg.hidden_size
         self.q_proj = nn.Linear(2 * H, h * d, bias=False)
         self.k_proj = nn.Linear(2 * H, kv * d, bias=False)
         self.v_proj = nn.Linear(2 * H, kv * d, bias=False)

@@ -30,9 +30,9 @@ class StepFlops:
 
 
 def layer_gemm_flops_per_row(cfg: DraftConfig) -> int:
-    H, I = cfg.hidden_size, cfg.intermediate_size
+    H, inter = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return 2 * (2 * H * (q + 2 * kv) + q * H + 3 * H * I + H * cfg.draft_vocab_size)
+    return 2 * (2 * H * (q + 2 * kv) + q * H + 3 * H * inter + H * cfg.draft_vocab_size)
 
 
 def micro_step_flops(cfg: DraftConfig, rows: int, seq_lengths: list[int], steps: int,

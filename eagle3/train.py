@@ -269,9 +269,10 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     bad_step = torch.tensor(state.nonfinite_step, device=rt.device)
     clock = {"t": time.perf_counter(), "wait": 0.0, "start_step": state.step, "last_eval": {},
              "history": []}
-    log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d",
-             num_steps, cfg.epochs, plan.rows_per_step, width,
-             100 * plan.padding_share(data.train_lengths, width, cfg.max_seq_len), warmup)
+    log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d, "
+             "%s attention", num_steps, cfg.epochs, plan.rows_per_step, width,
+             100 * plan.padding_share(data.train_lengths, width, cfg.max_seq_len), warmup,
+             rt.attention)
     for step in range(state.step, num_steps + 1):
         last_step = step == num_steps
         lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)
@@ -286,20 +287,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             _save(cfg, out_dir, step, draft, optimizer, state, window, plan, rt)
         if last_step:
             break
-        step_loss = torch.zeros((), device=rt.device)
-        for micro_step in range(cfg.grad_accum):
-            batch = feed.next()
-            masks = model.build_masks(batch["doc_ids"], compile_mask=rt.device.type == "cuda")
-            no_sync = rt.dist.enabled and micro_step < cfg.grad_accum - 1
-            with ddp.no_sync() if no_sync else contextlib.nullcontext():
-                with rt.autocast():
-                    loss, stats = forward(*_batch_args(batch), masks=masks)
-                (loss / cfg.grad_accum).backward()  # each backward adds to .grad: a mean
-            feed.prefetch()  # the next row's host->device copy overlaps this step's kernels
-            step_loss += loss.detach() / cfg.grad_accum
-            window.stats += stats.detach()
-            window.tokens += batch["tokens"]
-            window.rows += 1
+        step_loss = _micro_steps(cfg, rt, model, ddp, forward, feed, window)
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.max_grad_norm,
                                                    foreach=True)
         _guard_nonfinite(optimizer, grad_norm, step, bad_step)
@@ -320,6 +308,26 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             "padding": plan.padding_share(data.train_lengths, width, cfg.max_seq_len),
             "tok_s": sum(r["tok_s"] for r in timed) / max(len(timed), 1),
             "data_wait": sum(r["data_wait"] for r in timed) / max(len(timed), 1)}
+
+
+def _micro_steps(cfg: TrainConfig, rt: Runtime, model: TTTModel, ddp, forward,
+                 feed: DevicePrefetcher, window: Window) -> torch.Tensor:
+    """`grad_accum` forward+backward passes, one packed row each; returns their mean loss."""
+    step_loss = torch.zeros((), device=rt.device)
+    for micro_step in range(cfg.grad_accum):
+        batch = feed.next()
+        masks = model.build_masks(batch["doc_ids"], compile_mask=rt.device.type == "cuda")
+        no_sync = rt.dist.enabled and micro_step < cfg.grad_accum - 1  # all-reduce once
+        with ddp.no_sync() if no_sync else contextlib.nullcontext():
+            with rt.autocast():
+                loss, stats = forward(*_batch_args(batch), masks=masks)
+            (loss / cfg.grad_accum).backward()  # each backward adds to .grad: a mean
+        feed.prefetch()  # the next row's host->device copy overlaps this step's kernels
+        step_loss += loss.detach() / cfg.grad_accum
+        window.stats += stats.detach()
+        window.tokens += batch["tokens"]
+        window.rows += 1
+    return step_loss
 
 
 def _maybe_resume(cfg, out_dir, draft, optimizer, plan: RunPlan) -> tuple[LoopState, dict]:

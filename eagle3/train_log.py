@@ -108,10 +108,12 @@ def plot_metrics(path: Path, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in train]
     panels = [
-        ("loss.png", "loss (EMA, weighted over TTT steps)", [("train", [r["loss"] for r in train])]),
+        ("loss.png", "loss (EMA, weighted over TTT steps)",
+         [("train", [r["loss"] for r in train])]),
         ("accuracy.png", "top-1 accuracy per TTT step",
          [(f"train step {k}", [r["acc"][k] for r in train]) for k in range(len(train[0]["acc"]))]),
-        ("sim_accept.png", "simulated acceptance length", [("train", [r["sim_accept"] for r in train])]),
+        ("sim_accept.png", "simulated acceptance length",
+         [("train", [r["sim_accept"] for r in train])]),
         ("lr.png", "learning rate", [("lr", [r["lr"] for r in train])]),
         ("throughput.png", "tokens/s (all ranks)", [("tok/s", [r["tok_s"] for r in train])]),
     ]
