@@ -69,7 +69,7 @@ class CorpusConfig:
                                            "definitions until reached)")
     max_continuation_chars: int = arg(1200, "reply: at most this many characters (whole lines)")
     pipeline_samples: int = arg(3000, "train samples handed to stage 01 (0 = all)")
-    max_files: int = arg(0, "read only the first N files by path (0 = all; for smoke runs)")
+    max_files: int = arg(0, "read only N files, chosen by path hash (0 = all; for smoke runs)")
     max_file_bytes: int = arg(400_000, "skip larger files (generated data, not code)")
     max_seq_len: int = arg(1024, "recipe context limit, tokens (prompt + reply) for 01/01b")
     force: bool = arg(False, "rebuild even when a complete corpus with this config exists")
@@ -178,8 +178,9 @@ def _jsonl(rows: list[dict]) -> bytes:
 
 
 def _recipe(name: str, dataset: str, file: str, max_seq_len: int, regenerate: bool) -> dict:
-    return {"name": name, "description": "Python standard library files as chat samples "
-                                         "(reference benchmark; built by reference/build_corpus.py)",
+    return {"name": name,
+            "description": "Python standard library files as chat samples (reference "
+                           "benchmark; built by reference/build_corpus.py)",
             "datasets": [{"name": dataset, "adapter": "openai", "path": file, "id_field": "id",
                           "regenerate": regenerate, "max_seq_len": max_seq_len}]}
 
@@ -196,8 +197,8 @@ def build_corpus(cfg: CorpusConfig) -> dict:
             return done
     root = stdlib_root(cfg)
     files, skipped = stdlib_files(root, cfg.max_file_bytes)
-    if cfg.max_files:
-        files = files[: cfg.max_files]
+    if cfg.max_files:  # a spread-out subset (by path hash), read in path order
+        files = sorted(sorted(files, key=lambda f: path_hash(f[0]))[: cfg.max_files])
     train_rows, heldout_rows, split = [], [], {"train": [], "heldout": []}
     for rel, path in files:
         try:
@@ -218,8 +219,8 @@ def build_corpus(cfg: CorpusConfig) -> dict:
     atomic_write_bytes(out / "target_train.jsonl", _jsonl(train_rows))
     atomic_write_bytes(out / "pipeline_train.jsonl", _jsonl(pipeline))
     atomic_write_bytes(out / "heldout.jsonl", _jsonl(heldout_rows))
-    atomic_write_json(out / "recipe_train.json", _recipe("stdlib_reference", DATASET_TRAIN,
-                                                         "pipeline_train.jsonl", cfg.max_seq_len, True))
+    atomic_write_json(out / "recipe_train.json", _recipe(
+        "stdlib_reference", DATASET_TRAIN, "pipeline_train.jsonl", cfg.max_seq_len, True))
     atomic_write_json(out / "recipe_heldout.json", _recipe("stdlib_reference_heldout",
                                                            DATASET_HELDOUT, "heldout.jsonl",
                                                            cfg.max_seq_len, False))

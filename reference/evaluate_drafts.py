@@ -144,7 +144,7 @@ class DraftEvaluator:
 
 
 def probe_seconds_per_token(target: Path, prompts_jsonl: Path, workdir: Path, device: str,
-                            dtype: str, tokens: int = 48, warmup: int = 8) -> float:
+                            dtype: str, tokens: int = 24, warmup: int = 4) -> float:
     """Seconds per token of plain batch-1 decoding of the target (the first held-out prompt)."""
     from eagle3.prompts import load_prompt_set
 

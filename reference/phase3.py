@@ -2,7 +2,8 @@
 
 In priority order (later tasks are skipped when the command's budget runs out): the final draft
 (bf16 states, chains of 3 and 7), the controls and their detection, 05 at temperature 1, the
-fp8-state draft, the data-size drafts, the per-epoch checkpoints.
+per-epoch checkpoints, then the fp8-state and data-size drafts (trained here first if phase 2
+had no time left for them).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from pathlib import Path
 
 from eagle3.stage import atomic_write_json, read_manifest
-from reference.stages import export_checkpoint, script_fields
+from reference.stages import export_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -34,50 +35,53 @@ def run_phase3(s) -> None:
                               ChatRenderer(load_tokenizer(s.target)), limit).prompts
     ev = DraftEvaluator(s.target, prompts, s.results / "evals", p.device, s.eval_dtype)
     sweep = {"num_prompts": p.sweep_prompts, "max_new_tokens": p.sweep_max_new}
-    control = {"num_prompts": p.control_prompts, "max_new_tokens": p.control_max_new}
-    s.task("eval main", lambda: ev.run(EvalSpec("main", final, [3, 7], **sweep)))
+    main = EvalSpec("main", final, [3, 7], **sweep)
+    s.task("eval main", lambda: ev.run(main))
     base = ev.baseline(p.sweep_prompts, p.sweep_max_new, 0.0)
-    s.state["seconds_per_token"] = base["seconds_per_token"]
-    spt = base["seconds_per_token"]
-    accept = ev.run(EvalSpec("main", final, [3, 7], **sweep))["steps"]["3"]["acceptance_length"]
+    s.state["seconds_per_token"] = spt = base["seconds_per_token"]
+    accept = ev.run(main)["steps"]["3"]["acceptance_length"]
 
     def est(spec, acceptance=accept):
         return estimate_seconds(spec, spt, acceptance) + 10
 
-    specs = [EvalSpec("control_reference", final, [3], **control),
-             EvalSpec("control_final_state", final, [3], control="final_state", **control),
-             EvalSpec("control_shifted_layers", final, [3], control="shifted_layers", **control)]
-    s.task("controls", lambda: run_controls(s, ev, specs), sum(est(x, 1.0) for x in specs))
-    if "temperature" in script_fields("05"):
-        bench = EvalSpec("bench", final, [3, 7], num_prompts=p.bench_prompts,
-                         max_new_tokens=p.bench_max_new)
-        s.task("05 t1", lambda: s.bench("t1", 1.0), est(bench) * 1.6)
-    else:  # 05 cannot sample: the same evaluator code at temperature 1, through the sweep
-        s.state["notes"] = s.state.get("notes", []) + ["05 has no --temperature: temperature 1 "
-                                                       "measured by the sweep evaluator"]
-        t1 = EvalSpec("main_t1", final, [3, 7], temperature=1.0, **sweep)
-        s.task("eval main t1", lambda: ev.run(t1), est(t1))
-    fp8 = s.w / "fp8" / "04_train" / "final"
-    if fp8.is_dir():
-        spec = EvalSpec("fp8", fp8, [3, 7], **sweep)
+    _controls_and_sampling(s, ev, est, EvalSpec)
+    root = s.main / "04_train" / "checkpoints"
+    for step in intermediate_steps(root):
+        spec = EvalSpec(f"ckpt_{step}", s.w / "epochs" / f"step_{step:06d}", [3], **sweep)
+        s.task(f"eval checkpoint {step}",
+               lambda spec=spec, d=root / f"step_{step:06d}": _eval_epoch(ev, spec, d),
+               est(spec))
+    # Runs phase 2 could not fit come next, each followed by its evaluation.
+    s.task("train fp8", s.train_fp8, s.fp8_estimate())
+    if (s.w / "fp8" / "04_train" / "final").is_dir():
+        spec = EvalSpec("fp8", s.w / "fp8" / "04_train" / "final", [3, 7], **sweep)
         s.task("eval fp8", lambda: ev.run(spec), est(spec))
     for n in s.size_counts():
+        s.task(f"train size {n}", lambda n=n: s.train_size(n), s.size_estimate(n))
         draft = s.w / f"size_{n}" / "04_train" / "final"
         if draft.is_dir():
             spec = EvalSpec(f"size_{n}", draft, [3], **sweep)
             s.task(f"eval size {n}", lambda spec=spec: ev.run(spec), est(spec))
-    for epoch, step_dir in epoch_checkpoints(s.main / "04_train" / "checkpoints")[:-1]:
-        spec = EvalSpec(f"epoch_{epoch}", s.w / "epochs" / f"epoch_{epoch}", [3], **sweep)
-        s.task(f"eval epoch {epoch}", lambda spec=spec, d=step_dir: _eval_epoch(ev, spec, d),
-               est(spec))
 
 
-def epoch_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(epoch, step folder) of 04's complete checkpoints, saved one per epoch end."""
+def _controls_and_sampling(s, ev, est, EvalSpec) -> None:
+    """The controls beside the correct draft, then 05 at temperature 1 (speculative sampling)."""
+    p, final = s.p, s.main / "04_train" / "final"
+    control = {"num_prompts": p.control_prompts, "max_new_tokens": p.control_max_new}
+    specs = [EvalSpec("control_reference", final, [3], **control),
+             EvalSpec("control_final_state", final, [3], control="final_state", **control),
+             EvalSpec("control_shifted_layers", final, [3], control="shifted_layers", **control)]
+    s.task("controls", lambda: run_controls(s, ev, specs), sum(est(x, 1.0) for x in specs))
+    bench = EvalSpec("bench", final, [3, 7], num_prompts=p.bench_prompts,
+                     max_new_tokens=p.bench_max_new)
+    s.task("05 t1", lambda: s.bench("t1", 1.0), est(bench) * 1.6)
+
+
+def intermediate_steps(root: Path) -> list[int]:
+    """Steps of 04's complete checkpoints before the last (which is the final draft)."""
     from eagle3.checkpoint import complete_steps
 
-    return [(k + 1, Path(root) / f"step_{step:06d}")
-            for k, step in enumerate(complete_steps(root))]
+    return complete_steps(root)[:-1]
 
 
 def _eval_epoch(ev, spec, step_dir: Path) -> None:

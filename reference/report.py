@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3.progress import human_bytes
 from eagle3.records import read_jsonl
-from eagle3.stage import atomic_write_bytes, atomic_write_json, read_manifest
+from eagle3.stage import atomic_write_bytes, atomic_write_json
 
 GiB = 2**30
 
@@ -153,8 +153,9 @@ def _target_md(s: dict) -> list[str]:
             f"{c.get('samples_pipeline')} handed to 01, {c.get('samples_heldout')} held-out "
             "prompts.", "",
             f"Target: DeepseekV3ForCausalLM, {t.get('shape', {}).get('num_hidden_layers')} "
-            f"layers, {_f(p.get('total'), '{:,}')} parameters ({_f(p.get('active_per_token'), '{:,}')}"
-            f" active per token without the embedding), vocab {t.get('vocab_size')}; trained "
+            f"layers, {_f(p.get('total'), '{:,}')} parameters "
+            f"({_f(p.get('active_per_token'), '{:,}')} active per token without the embedding), "
+            f"vocab {t.get('vocab_size')}; trained "
             f"{_f(t.get('train_seconds'), '{:.0f}')} s, {_f(t.get('tokens'), '{:,}')} tokens "
             f"({t.get('epochs')} epochs of {_f(t.get('corpus_tokens'), '{:,}')}), "
             f"{_f(t.get('tokens_per_s'), '{:,.0f}')} tok/s, peak "
@@ -229,8 +230,18 @@ def _controls_md(s: dict) -> list[str]:
 def markdown(s: dict) -> str:
     sizes = sorted((k for k in s["sweeps"] if k.startswith("size_")),
                    key=lambda k: int(k.split("_")[1]))
-    epochs = sorted((k for k in s["sweeps"] if k.startswith("epoch_")),
-                    key=lambda k: int(k.split("_")[1]))
+    ckpts = sorted((k for k in s["sweeps"] if k.startswith("ckpt_")),
+                   key=lambda k: int(k.split("_")[1]))
+    train = (s["stages"].get("04 main") or {}).get("manifest") or {}
+    num_steps = (train.get("outputs") or {}).get("num_steps")
+    epochs = (train.get("args") or {}).get("epochs")
+
+    def ckpt_label(key: str) -> str:
+        step = int(key.split("_")[1])
+        if num_steps and epochs:
+            return f"step {step} (epoch {step * epochs / num_steps:.2f})"
+        return f"step {step}"
+
     out = ["### Reference target", "", *_target_md(s),
            "### Stages (time, throughput, disk, peak GPU memory)", "", *_stages_md(s),
            "### Acceptance on held-out prompts (05, offline hf evaluator)", "", *_bench_md(s),
@@ -240,13 +251,19 @@ def markdown(s: dict) -> str:
            *_sweep_md(s, [(k.replace("_", " ") + " samples", k) for k in sizes]
                       + [("all samples", "main")]),
            "### Acceptance vs epochs", "",
-           *_sweep_md(s, [(k.replace("_", " "), k) for k in epochs]
-                      + [("final epoch", "main")]),
+           *_sweep_md(s, [(ckpt_label(k), k) for k in ckpts]
+                      + [(f"final (step {num_steps}, epoch {epochs})", "main")]),
            "04's own per-epoch evaluation (simulated acceptance): "
            + ", ".join(f"step {m['step']}: {m['eval_sim_accept']:.2f}"
                        for m in s.get("epoch_metrics") or []), "",
            "### Controls (must collapse, must be detected)", "", *_controls_md(s)]
-    skipped = (s.get("state") or {}).get("skipped") or {}
+    state = s.get("state") or {}
+    notes = list(state.get("notes") or []) + [state[k] for k in ("eval_dtype_note",) if k in state]
+    out += [f"Evaluation dtype: {state.get('eval_dtype', '–')}; target decoding cost "
+            f"{_f(state.get('seconds_per_token'), '{:.4f}')} s/token at batch 1.", ""]
+    if notes:
+        out += ["Notes: " + "; ".join(notes), ""]
+    skipped = state.get("skipped") or {}
     if skipped:
         out += ["Skipped (time budget): " + "; ".join(f"{k}: {v}" for k, v in skipped.items()),
                 ""]

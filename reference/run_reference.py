@@ -78,7 +78,7 @@ class Profile:
 
 PROFILES = {
     "h200": Profile(
-        device="cuda", corpus=("--pipeline-samples", "3000"),
+        device="cuda", corpus=("--pipeline-samples", "2400"),
         target=("--preset", "ref-100m", "--train-seconds", "180", "--batch-size", "64",
                 "--seq-len", "1024", "--lr", "1e-3"),
         prepare=(),
@@ -88,12 +88,13 @@ PROFILES = {
         draft_vocab=4096,
         train=("--lr", "1e-3", "--num-workers", "6", "--max-eval-samples", "64",
                "--log-every", "20"),
-        epochs=5, train_max_seq_len=1024, pack_tokens=8192, eval_dtype="float32", bench_prompts=24, bench_max_new=192,
+        epochs=3, train_max_seq_len=1024, pack_tokens=8192, eval_dtype="float32",
+        bench_prompts=20, bench_max_new=192,
         sweep_prompts=16, sweep_max_new=160, control_prompts=8, control_max_new=96,
         size_fractions=(0.25, 0.5), deadline_s=540.0),
     "smoke": Profile(
         device="cpu",
-        corpus=("--max-files", "10", "--pipeline-samples", "16", "--heldout-share", "0.3",
+        corpus=("--max-files", "14", "--pipeline-samples", "16", "--heldout-share", "0.3",
                 "--max-context-chars", "300", "--min-continuation-chars", "60",
                 "--max-continuation-chars", "200"),
         target=("--preset", "smoke", "--train-seconds", "3", "--batch-size", "8",

@@ -54,16 +54,6 @@ def script_module(stage: str):
     return _MODULES[stage]
 
 
-def script_fields(stage: str) -> set[str]:
-    """Flag names (dataclass fields) the script of `stage` accepts today."""
-    import dataclasses
-
-    module = script_module(stage)
-    configs = [v for v in vars(module).values()
-               if dataclasses.is_dataclass(v) and v.__name__.endswith("Config")]
-    return {f.name for c in configs for f in dataclasses.fields(c)}
-
-
 @dataclass
 class StageRecord:
     label: str
@@ -79,8 +69,9 @@ class StageRecord:
 def _manifest_summary(m: dict | None) -> dict:
     if not m:
         return {}
-    return {k: m.get(k) for k in ("seconds", "disk_bytes", "outputs", "started", "finished",
-                                  "complete", "capture_layers", "hidden_size")}
+    keys = ("seconds", "disk_bytes", "outputs", "args", "started", "finished", "complete",
+            "capture_layers", "hidden_size")
+    return {k: m.get(k) for k in keys}
 
 
 class StageRunner:

@@ -247,6 +247,47 @@ def test_subset_workdir_keeps_the_first_train_records_and_the_eval_split(tmp_pat
     assert manifest["complete"] and manifest["outputs"]["train"] == 4
 
 
+# ---------------------------------------------------------------- command lines
+
+
+def _script_config(stage: str):
+    """The config dataclass a script parses its flags into."""
+    import dataclasses
+
+    from reference.stages import script_module
+
+    (cls,) = {v for v in vars(script_module(stage)).values()
+              if dataclasses.is_dataclass(v) and v.__name__.endswith("Config")
+              and "workdir" in {f.name for f in dataclasses.fields(v)}}
+    return cls
+
+
+@pytest.mark.parametrize("profile", ["h200", "smoke"])
+def test_every_stage_command_parses_with_its_script(profile, tmp_path):
+    from eagle3.cli import parse_config
+    from reference.run_reference import PROFILES
+    from reference.stages import StageRunner
+    from reference.steps import PhaseSteps
+
+    merged = tmp_path / "main" / "01c_merged"
+    merged.mkdir(parents=True)
+    (merged / "train.jsonl").write_text('{"seq_len": 700}\n' * 40)
+    (tmp_path / "target").mkdir()
+    for name in ("config.json", "tokenizer_config.json"):  # what the parsers look for
+        (tmp_path / "target" / name).write_text("{}")
+    steps = PhaseSteps(tmp_path, profile, PROFILES[profile], StageRunner(tmp_path / "r"), 0.0)
+    p = PROFILES[profile]
+    commands = {"01": steps.prepare_args("recipe_train.json"), "01b": steps.generate_args(),
+                "merge": list(p.merge), "02b": steps.extract_args("fp8"),
+                "03": steps.vocab_args(), "04": steps.train_args(tmp_path / "main"),
+                "05": steps.bench_args(1.0, 8)}
+    for stage, args in commands.items():
+        cfg = parse_config(_script_config(stage), ["--workdir", str(tmp_path), *map(str, args)])
+        assert cfg.workdir == tmp_path, stage
+    assert steps.state["steps_per_epoch"]["main"] == max(1, 40 * min(700, p.train_max_seq_len)
+                                                         // p.pack_tokens)
+
+
 # ---------------------------------------------------------------- the whole flow
 
 
@@ -287,9 +328,10 @@ def test_smoke_target_loads_as_a_transformers_model_with_the_project_template(sm
     assert model.config.model_type == "deepseek_v3" and model.config.n_routed_experts > 1
     assert tok.chat_template == CHAT_TEMPLATE and tok.eos_token == END_OF_TURN
     assert all(len(tok(t, add_special_tokens=False)["input_ids"]) == 1 for t in SPECIAL_TOKENS)
-    ids = tok.apply_chat_template([{"role": "user", "content": "x"},
-                                   {"role": "assistant", "content": "y = 1\n"}])
-    ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    text = tok.apply_chat_template([{"role": "user", "content": "x"},
+                                    {"role": "assistant", "content": "y = 1\n"}], tokenize=False)
+    assert text.endswith("<think></think>y = 1\n" + END_OF_TURN)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids[-1] == tok.convert_tokens_to_ids(END_OF_TURN)
 
 
@@ -328,7 +370,7 @@ def test_smoke_summary_reports_every_required_figure(smoke_run):
     assert {"main", "fp8", "control_reference", "control_final_state",
             "control_shifted_layers"} <= set(sweeps)
     assert len([k for k in sweeps if k.startswith("size_")]) == 2  # + main: three sizes
-    assert [k for k in sweeps if k.startswith("epoch_")] == ["epoch_1"]
+    assert [k for k in sweeps if k.startswith("ckpt_")]  # checkpoints before the final one
     assert sweeps["control_shifted_layers"]["capture_layers"] == shifted_layers(
         sweeps["main"]["capture_layers"])
     for name in ("final_state", "shifted_layers"):
