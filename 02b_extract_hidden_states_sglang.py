@@ -17,7 +17,13 @@ output. Re-running resumes by record id; records that failed every attempt are l
 Tiny target (demo):
     python 02b_extract_hidden_states_sglang.py --workdir runs/demo --target runs/demo/target \\
         --backend hf
-Real run (server started as in train_plan_v4.md, EAGLE3_DUMP_DIR=/dev/shm/eagle3-dump):
+Real run: patch SGLang (`python -m eagle3.patching`), start the dump server, then the client.
+The dump directory in RAM (/dev/shm) saves writing every state to disk twice; it holds only the
+dumps in flight (checked at start).
+    EAGLE3_DUMP_DIR=/dev/shm/eagle3-dump python -m sglang.launch_server \\
+        --model-path /models/Kimi-K2.5 --tp 8 --trust-remote-code --disable-radix-cache \\
+        --skip-server-warmup --cuda-graph-backend-prefill disabled
+    (SGLang <= 0.5.13: --disable-piecewise-cuda-graph instead of --cuda-graph-backend-prefill)
     python 02b_extract_hidden_states_sglang.py --workdir runs/kimi-k25 \\
         --target /models/Kimi-K2.5 --server-url http://127.0.0.1:30000 \\
         --dump-dir /dev/shm/eagle3-dump
