@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.benchmark import LoadSettings, combine, measure_server, run_offline
-from eagle3.benchmark_report import report_markdown, write_plots
+from eagle3.benchmark_report import report_markdown, summary_rows, write_plots
 from eagle3.chat import ChatRenderer
 from eagle3.cli import arg, config_dict, parse_config, setup_logging
 from eagle3.launcher import LaunchedServer, sglang_command
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(stage.dir / "results.json", results)
     atomic_write_bytes(stage.dir / "report.md", report_markdown(results).encode())
     plots = write_plots(results, stage.dir)
-    outputs, rows, ok = _summary(results)
+    outputs, rows, ok = summary_rows(results)
     stage.finish(outputs=outputs)
     rows.update(plots=", ".join(p.name for p in plots), layers=layers,
                 time=human_seconds(time.time() - t0))
@@ -243,28 +243,6 @@ def _server(cfg, role: str, draft_dir: Path, stage_dir: Path):
     url = f"http://127.0.0.1:{cfg.port}"
     with LaunchedServer(command, stage_dir / f"server_{role}.log", url, cfg.ready_timeout_s):
         yield url
-
-
-def _summary(results: dict) -> tuple[dict, dict, bool]:
-    """(manifest outputs, summary rows, lossless) of the results."""
-    outputs, rows, ok = {}, {}, True
-    for name, r in results["prompt_sets"].items():
-        if results["backend"] == "hf":
-            for s, m in r["steps"].items():
-                outputs.setdefault(s, m["acceptance_length"])
-                ok &= not m["lossless_mismatches"]
-                lossless = ("n/a (sampling)" if m["lossless_mismatches"] is None
-                            else m["lossless_mismatches"] == 0)
-                rows[f"{name} steps {s}: acceptance length"] = (
-                    f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), lossless: {lossless}")
-            continue
-        for c, row in r.items():
-            acc = row["speculative"]["acceptance_length"]
-            outputs[f"{name} c={c}"] = acc or 0.0
-            slower = " (SLOWER than no draft)" if (row["speedup"] or 0) < 1 else ""
-            rows[f"{name} c={c}"] = (f"acceptance {acc or 0:.3f}, speedup "
-                                     f"{row['speedup'] or 0:.2f}x{slower}")
-    return outputs, rows, ok
 
 
 if __name__ == "__main__":

@@ -88,6 +88,28 @@ def _offline_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary_rows(results: dict) -> tuple[dict, dict, bool]:
+    """(manifest outputs, rows of the closing summary, lossless) of the results."""
+    outputs, rows, ok = {}, {}, True
+    for name, r in results["prompt_sets"].items():
+        if results["backend"] == "hf":
+            for s, m in r["steps"].items():
+                outputs.setdefault(s, m["acceptance_length"])
+                ok &= not m["lossless_mismatches"]
+                lossless = ("n/a (sampling)" if m["lossless_mismatches"] is None
+                            else m["lossless_mismatches"] == 0)
+                rows[f"{name} steps {s}: acceptance length"] = (
+                    f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), lossless: {lossless}")
+            continue
+        for c, row in r.items():
+            acc = row["speculative"]["acceptance_length"]
+            outputs[f"{name} c={c}"] = acc or 0.0
+            slower = " (SLOWER than no draft)" if (row["speedup"] or 0) < 1 else ""
+            rows[f"{name} c={c}"] = (f"acceptance {acc or 0:.3f}, speedup "
+                                     f"{row['speedup'] or 0:.2f}x{slower}")
+    return outputs, rows, ok
+
+
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
     """PNG plots next to report.md; returns their paths."""
     import matplotlib
