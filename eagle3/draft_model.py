@@ -207,8 +207,9 @@ def flex_ttt_attention(q_BhTd, keys: list, values: list, block_mask) -> torch.Te
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = flex_attention
-    if q_BhTd.is_cuda:  # eager flex is a reference (materialised scores); compiled is the kernel
+    fn = flex_attention  # inside a torch.compile'd forward, traced into its graph as is
+    if q_BhTd.is_cuda and not torch.compiler.is_compiling():
+        # eager flex is a reference (materialised scores); compiled, it is the fused kernel
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
