@@ -70,13 +70,17 @@ def stage_throughput(record: dict, workdir: Path) -> dict:
             gen = sum(r["n_response_tokens"] for p in
                       (Path(workdir) / "01b_generated").glob("*/tokenized.jsonl")
                       for r in read_jsonl(p))
-            out = {"generated_tokens": gen, "generated_tok_s": gen / wall}
+            sets = ((m.get("outputs") or {}).get("datasets") or {}).values()
+            out = {"generated_tokens": gen, "generated_tok_s": gen / wall,
+                   "replies_closed": sum(d.get("stop", 0) for d in sets),  # ended by <|im_end|>
+                   "replies_cut": sum(d.get("length", 0) for d in sets)}
         elif stage == "02b":
             out = {"tokens": tok["tokens"], "tok_s": tok["tokens"] / wall,
                    "bytes_per_token": (m.get("disk_bytes") or 0) / max(tok["tokens"], 1)}
         else:
             trained = (m.get("outputs") or {}).get("tokens")
-            out = {"tokens_trained": trained, "tok_s": (trained or 0) / wall}
+            out = {"tokens_trained": trained, "tok_s": (trained or 0) / wall,
+                   "loop_tok_s": (m.get("outputs") or {}).get("tok_s")}
     return out
 
 
@@ -168,8 +172,12 @@ def _stages_md(s: dict) -> list[str]:
              "|---|---|---|---|---|---|"]
     for label, r in s["stages"].items():
         th = r.get("throughput") or {}
-        rate = ("{:,.0f} gen tok/s".format(th["generated_tok_s"]) if "generated_tok_s" in th
+        rate = ("{:,.0f} gen tok/s ({} replies closed, {} cut at the limit)".format(
+                    th["generated_tok_s"], th["replies_closed"], th["replies_cut"])
+                if "generated_tok_s" in th
                 else "{:,.0f} tok/s".format(th["tok_s"]) if th.get("tok_s") else "–")
+        if th.get("loop_tok_s"):
+            rate += " (training loop {:,.0f})".format(th["loop_tok_s"])
         disk = (r.get("manifest") or {}).get("disk_bytes")
         lines.append(f"| {label} | {r['wall_s']:.1f} | {rate} | "
                      f"{human_bytes(disk) if disk else '–'} | "
@@ -215,15 +223,15 @@ def _sweep_md(s: dict, names: list[tuple[str, str]]) -> list[str]:
 
 def _controls_md(s: dict) -> list[str]:
     c = s.get("controls") or {}
-    lines = ["| control | acceptance length @3 | same prompts, correct draft | detected by | "
-             "detected |", "|---|---|---|---|---|"]
+    lines = ["| control | acceptance length @3 | same prompts, correct draft | collapsed | "
+             "detected by | detected |", "|---|---|---|---|---|---|"]
     ref = (s["sweeps"].get("control_reference") or {}).get("steps", {}).get("3", {})
     for name in ("final_state", "shifted_layers"):
         ev = (s["sweeps"].get(f"control_{name}") or {}).get("steps", {}).get("3", {})
         det = c.get(name) or {}
         lines.append(f"| {name} | {_f(ev.get('acceptance_length'))} | "
-                     f"{_f(ref.get('acceptance_length'))} | {det.get('check', '–')} | "
-                     f"{det.get('detected', '–')} |")
+                     f"{_f(ref.get('acceptance_length'))} | {det.get('collapsed', '–')} | "
+                     f"{det.get('check', '–')} | {det.get('detected', '–')} |")
     return lines + [""]
 
 

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/, reference/
 
 from eagle3.cli import arg, config_dict, parse_config, setup_logging  # noqa: E402
@@ -74,6 +76,7 @@ class Profile:
     control_max_new: int
     size_fractions: tuple[float, ...]  # data-size study: shares of the merged train split
     deadline_s: float  # per command: no optional work is started past it
+    threads: int = 0  # torch CPU threads for the run (0 = torch's default)
 
 
 PROFILES = {
@@ -107,7 +110,8 @@ PROFILES = {
                "--log-every", "5", "--ttt-steps", "3"),
         epochs=2, train_max_seq_len=256, pack_tokens=256, eval_dtype="float32",
         bench_prompts=2, bench_max_new=16, sweep_prompts=2, sweep_max_new=16,
-        control_prompts=2, control_max_new=8, size_fractions=(0.25, 0.5), deadline_s=3600.0),
+        control_prompts=2, control_max_new=8, size_fractions=(0.25, 0.5), deadline_s=3600.0,
+        threads=1),  # toy matrices: one thread beats several fighting over a shared CPU
 }
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
              "results/stages.json": "stages.json", "results/controls.json": "controls.json",
@@ -164,12 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     deadline = cfg.deadline_s or profile.deadline_s
     steps = PhaseSteps(workdir, cfg.profile, profile, StageRunner(workdir / "results"),
                        time.time() + deadline)
-    t0, ok = time.time(), False
+    t0, ok, threads = time.time(), False, torch.get_num_threads()
+    if profile.threads:
+        torch.set_num_threads(profile.threads)
     try:
         for phase in cfg.phase:
             steps.run_phase(phase)
         ok = True
     finally:
+        torch.set_num_threads(threads)
         summary = write_report(workdir, cfg.profile)
         copied = copy_out(workdir, out) if out else []
         atomic_write_json(workdir / "results" / "state.json", steps.state)
