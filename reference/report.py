@@ -271,6 +271,10 @@ def markdown(s: dict) -> str:
             f"{_f(state.get('seconds_per_token'), '{:.4f}')} s/token at batch 1.", ""]
     if notes:
         out += ["Notes: " + "; ".join(notes), ""]
+    failed = state.get("failed") or {}
+    if failed:
+        out += ["Failed (optional work; see run.log): "
+                + "; ".join(f"{k}: {v}" for k, v in failed.items()), ""]
     skipped = state.get("skipped") or {}
     if skipped:
         out += ["Skipped (time budget): " + "; ".join(f"{k}: {v}" for k, v in skipped.items()),

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(workdir / "results" / "state.json", steps.state)
         rows = {"phases": str(cfg.phase), "complete": ok, "time": human_seconds(time.time() - t0),
                 "skipped (time)": ", ".join(steps.state["skipped"]) or "none",
+                "failed (optional)": ", ".join(steps.state.get("failed", {})) or "none",
                 "summary": str(workdir / "results" / "summary.md"),
                 "copied to": f"{out}/reference: {', '.join(copied)}" if out else "-"}
         for t, b in summary["bench"].items():

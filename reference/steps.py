@@ -80,7 +80,12 @@ class PhaseSteps:
         atomic_write_json(self.results / "state.json", self.state)
 
     def task(self, name: str, fn, estimate_s: float | None = None) -> None:
-        """Run `fn` once (across commands); skip it while it would overrun the budget."""
+        """Run `fn` once (across commands).
+
+        A task with an estimate is optional: skipped while it would overrun the budget, and an
+        error in it is recorded (summary "Failed") instead of ending the command, so that one
+        broken sweep does not cost the GPU time of the others. A task without one is required.
+        """
         if name in self.state["done"]:
             return
         if estimate_s is not None and estimate_s > self.remaining():
@@ -90,10 +95,19 @@ class PhaseSteps:
             self.save()
             return
         t0 = time.time()
-        fn()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 -- optional work: recorded, reported, not hidden
+            if estimate_s is None:
+                raise
+            log.exception("optional task %s failed; going on with the others", name)
+            self.state.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"[:500]
+            self.save()
+            return
         self.state["done"][name] = {"wall_s": round(time.time() - t0, 1),
                                     "estimate_s": estimate_s}
         self.state["skipped"].pop(name, None)
+        self.state.get("failed", {}).pop(name, None)
         self.save()
 
     def run_phase(self, phase: int) -> None:

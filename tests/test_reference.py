@@ -288,6 +288,29 @@ def test_every_stage_command_parses_with_its_script(profile, tmp_path):
                                                          // p.pack_tokens)
 
 
+def test_tasks_skip_past_the_budget_record_optional_failures_and_raise_required_ones(tmp_path):
+    import time
+
+    from reference.run_reference import PROFILES
+    from reference.stages import StageRunner
+    from reference.steps import PhaseSteps
+
+    steps = PhaseSteps(tmp_path, "smoke", PROFILES["smoke"], StageRunner(tmp_path / "r"),
+                       time.time() + 100)
+    ran = []
+    steps.task("cheap", lambda: ran.append("cheap"), estimate_s=1)
+    steps.task("cheap", lambda: ran.append("again"), estimate_s=1)  # done: not rerun
+    steps.task("long", lambda: ran.append("long"), estimate_s=1000)
+    steps.task("broken", lambda: 1 / 0, estimate_s=1)
+    assert ran == ["cheap"]
+    assert "long" in steps.state["skipped"]
+    assert "ZeroDivisionError" in steps.state["failed"]["broken"]
+    with pytest.raises(ZeroDivisionError):
+        steps.task("required", lambda: 1 / 0)
+    saved = json.loads((tmp_path / "results" / "state.json").read_text())
+    assert set(saved["done"]) == {"cheap"} and set(saved["skipped"]) == {"long"}
+
+
 # ---------------------------------------------------------------- the whole flow
 
 
@@ -314,7 +337,7 @@ def test_smoke_run_completes_every_stage_and_copies_the_summary(smoke_run):
                  "controls.json"):
         assert (out / "reference" / name).is_file(), name
     state = json.loads((workdir / "results" / "state.json").read_text())
-    assert state["skipped"] == {}
+    assert state["skipped"] == {} and not state.get("failed")
 
 
 def test_smoke_target_loads_as_a_transformers_model_with_the_project_template(smoke_run):
