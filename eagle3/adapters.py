@@ -5,15 +5,20 @@ whose message starts with the kind of problem (`missing field: ...`). Shared cle
 call ids and arguments, inline reasoning, roles and order) happens afterwards, in
 `eagle3.conversations`, the same for every adapter.
 
-| adapter | schema | datasets |
-| --- | --- | --- |
-| `sharegpt` | `conversations: [{from, value}]`, `system`?, `tools`? | ShareGPT_Vicuna_unfiltered, open-perfectblend, OpenThoughts-114k |
-| `openai` | `messages: [{role, content, reasoning_content?, tool_calls?, tool_call_id?}]`, `tools`?; or `input` + `output` | UltraChat 200k, Nemotron post-training, OpenHands traces |
-| `instruction_response`, `input_output`, `query_answer`, `problem_solution` | one prompt field, one reply field | Magicoder, OpenCodeReasoning, CodeFeedback |
-| `xlam` | `query`, `answers` and `tools` as JSON strings | xlam-function-calling-60k |
-| `glaive` | `system`, `chat` with `USER:` / `ASSISTANT:` / `<functioncall>` / `FUNCTION RESPONSE:` | glaive-function-calling-v2 |
-| `hermes` | `conversations` with `<tool_call>` / `<tool_response>` tags, `tools` | hermes-function-calling-v1 |
-| `swe_agent` | `trajectory: [{role: system|user|ai, text}]`, `system_prompt`? | SWE-agent-trajectories |
+- `sharegpt`: `conversations: [{from, value}]`, `system`?, `tools`? (ShareGPT_Vicuna_unfiltered,
+  open-perfectblend, OpenThoughts-114k)
+- `openai`: `messages: [{role, content, reasoning_content?, tool_calls?, tool_call_id?}]`,
+  `tools`?; or Llama-Nemotron's `input` + `output` (UltraChat 200k, Nemotron post-training,
+  OpenHands traces)
+- `instruction_response`, `input_output`, `query_answer`, `problem_solution`: one prompt field
+  and one reply field (Magicoder, OpenCodeReasoning, CodeFeedback)
+- `xlam`: `query`, `answers` and `tools` as JSON strings (xlam-function-calling-60k)
+- `glaive`: `system`, `chat` with `USER:` / `ASSISTANT:` / `<functioncall>` /
+  `FUNCTION RESPONSE:` markers (glaive-function-calling-v2)
+- `hermes`: `conversations` with `<tool_call>` / `<tool_response>` tags, `tools`
+  (hermes-function-calling-v1)
+- `swe_agent`: `trajectory: [{role: system|user|ai, text}]`, `system_prompt`?
+  (SWE-agent-trajectories)
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def _render_kept(conv: dict, spec: DatasetSpec, ctx: RowContext, out: Outcome) -
         exact = ctx.renderer.samples(conv["messages"], conv.get("tools"), exact=True)
         if [(s.input_ids, s.loss_mask, s.n_prompt_tokens) for s in exact] != [
                 (s.input_ids, s.loss_mask, s.n_prompt_tokens) for s in samples]:
-            raise RenderMismatch(f"record {conv['id']}: fast and exact tokenization differ")
+            raise RenderMismatch(f"record {conv['id']}: the fast tokenization differs from the "
+                                 "exact one for this tokenizer; re-run with --exact-render")
     for k, s in enumerate(samples):
         rid = conv["id"] if len(samples) == 1 else f"{conv['id']}#{k}"
         rec = TokenizedRecord(rid, spec.name, s.input_ids, s.loss_mask, s.n_prompt_tokens,

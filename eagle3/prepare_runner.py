@@ -26,8 +26,14 @@ from typing import Iterator
 import numpy as np
 
 from eagle3.chat import ChatRenderer
-from eagle3.prepare import RowContext, assemble, good_ids, load_chunk_meta, process_chunk
-from eagle3.prepare import remove_parts
+from eagle3.prepare import (
+    RowContext,
+    assemble,
+    good_ids,
+    load_chunk_meta,
+    process_chunk,
+    remove_parts,
+)
 from eagle3.progress import progress
 from eagle3.recipes import DatasetSpec
 from eagle3.sources import RowSource, describe

@@ -17,6 +17,7 @@ names one (`pip install datasets`).
 
 from __future__ import annotations
 
+import bisect
 import glob
 import gzip
 import json
@@ -101,8 +102,6 @@ class LocalSource(RowSource):
         return self._starts[-1]
 
     def rows(self, positions: Sequence[int]) -> list[RawRow]:
-        import bisect
-
         by_part: dict[int, list[tuple[int, int]]] = {}
         for k, pos in enumerate(positions):
             f = bisect.bisect_right(self._starts, pos) - 1
@@ -124,9 +123,22 @@ def _open_file(path: Path):
         head = f.read(4096).lstrip()
     if name.endswith((".json", ".json.gz")) and head[:1] == b"[":
         return _JsonArrayFile(path)
+    if name.endswith((".json", ".json.gz")) and not _first_line_is_json(path, opener):
+        raise SourceError(f"dataset file {path}: neither a JSON array nor JSON lines")
     if name.endswith(".gz"):
         return _JsonlLines(path, gzip.decompress(path.read_bytes()).splitlines(keepends=True))
     return _JsonlFile(path)
+
+
+def _first_line_is_json(path: Path, opener) -> bool:
+    with opener(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return isinstance(json.loads(line), dict)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return False
+    return True  # an empty file: no rows
 
 
 class _JsonlFile:

@@ -12,8 +12,12 @@ import json
 import random
 
 import pytest
-from dataset_helpers import (build_metaspace_tokenizer, build_qwen_like_tokenizer,
-                             fixture_conversations, fixture_rows)
+from dataset_helpers import (
+    build_metaspace_tokenizer,
+    build_qwen_like_tokenizer,
+    fixture_conversations,
+    fixture_rows,
+)
 
 from eagle3.chat import ChatRenderer, RenderError, split_for_generation
 
@@ -185,9 +189,10 @@ def test_agent_trace_gives_one_sample_per_assistant_turn_when_template_rewrites_
 
 # Calls as the raw rows state them (name, arguments), independent of the adapters.
 EXPECTED_CALLS = {
-    "openhands_traces.jsonl": [[("execute_bash", {"command": "grep -n 'regex' utils/validators.py"}),
-                                ("execute_bash", {"command": "sed -i 's/\\$/\\\\Z/' utils/validators.py"}),
-                                ("finish", {})]],
+    "openhands_traces.jsonl": [[
+        ("execute_bash", {"command": "grep -n 'regex' utils/validators.py"}),
+        ("execute_bash", {"command": "sed -i 's/\\$/\\\\Z/' utils/validators.py"}),
+        ("finish", {})]],
     "xlam_function_calling.json": [[("live_giveaways_by_type", {"type": "beta"}),
                                     ("live_giveaways_by_type", {"type": "game"})],
                                    [("factorial", {"n": 5}), ("fibonacci", {"n": 10})]],
@@ -260,10 +265,9 @@ def test_reasoning_is_kept_in_the_supervised_turn_when_source_writes_it_inline(k
 def test_samples_raise_when_template_renders_the_prompt_differently(tokenizer):
     tok = build_qwen_like_tokenizer()
     # Generation prompt "...assistant\n" but history turns rendered as "...assistant:\n".
-    tok.chat_template = tok.chat_template.replace(
-        "'<|im_start|>assistant\\n' + content", "'<|im_start|>assistant:\\n' + content")
-    tok.chat_template = tok.chat_template.replace("'<|im_start|>assistant\\n<think>\\n' + reasoning",
-                                                  "'<|im_start|>assistant:\\n<think>\\n' + reasoning")
+    for head in ("'<|im_start|>assistant\\n' + content",
+                 "'<|im_start|>assistant\\n<think>\\n' + reasoning"):
+        tok.chat_template = tok.chat_template.replace(head, head.replace("assistant", "assistant:"))
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     with pytest.raises(RenderError, match="template mismatch"):
         ChatRenderer(tok).samples(messages)

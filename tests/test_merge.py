@@ -1,4 +1,4 @@
-"""Merge stage: duplicates, length policy, caps and weights, stable eval split, stats, kill/resume."""
+"""Merge stage: duplicates, length policy, caps, weights, stable eval split, stats, kill/resume."""
 
 from __future__ import annotations
 
