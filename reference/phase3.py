@@ -78,10 +78,13 @@ def _controls_and_sampling(s, ev, est, EvalSpec) -> None:
 
 
 def intermediate_steps(root: Path) -> list[int]:
-    """Steps of 04's complete checkpoints before the last (which is the final draft)."""
+    """Steps of 04's complete checkpoints before the last (the final draft), leaving out those
+    within 5% of it (a checkpoint a few steps before the end says nothing the final one does
+    not)."""
     from eagle3.checkpoint import complete_steps
 
-    return complete_steps(root)[:-1]
+    steps = complete_steps(root)
+    return [s for s in steps[:-1] if s < 0.95 * steps[-1]]
 
 
 def _eval_epoch(ev, spec, step_dir: Path) -> None:

@@ -185,11 +185,8 @@ class PhaseSteps:
         return max(1, tokens // self.p.pack_tokens)
 
     def train_args(self, workdir: Path) -> list:
-        """04 flags: checkpoint and evaluate about every epoch end, keep every checkpoint.
-
-        Epochs pack into slightly different row counts, so the checkpoint of "epoch k" is the one
-        at step k x (steps of the first epoch); the report gives its step.
-        """
+        """04 flags: checkpoint and evaluate about every epoch (see `steps_per_epoch`), keep
+        every checkpoint (the report labels each with its step and epoch share)."""
         per_epoch = self.steps_per_epoch(workdir)
         self.state.setdefault("steps_per_epoch", {})[Path(workdir).name] = per_epoch
         return ["--target", self.target, "--device", self.p.device, "--epochs", self.p.epochs,
