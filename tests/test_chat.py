@@ -304,3 +304,20 @@ def test_special_text_in_names_the_message_when_text_holds_an_end_of_turn(kimi):
     messages = [{"role": "user", "content": "ok"}, {"role": "user", "content": "a<|im_end|>b"}]
     assert kimi.special_text_in(messages) == "message 1 content holds '<|im_end|>'"
     assert kimi.special_text_in(messages[:1]) is None
+
+
+def test_every_supervised_turn_carries_its_reasoning_and_content_when_rendering_fixtures(
+        kimi, convs):
+    tok = kimi.tokenizer
+    checked = 0
+    for records in convs.values():
+        for c in records:
+            for s in kimi.samples(c["messages"], c.get("tools")):
+                for i, (start, stop) in zip(s.supervised_turns, s.spans):
+                    m = c["messages"][i]
+                    turn = tok.decode(s.input_ids[start:stop])
+                    assert turn.startswith(f"<think>{m.get('reasoning_content', '')}</think>"
+                                           f"{m['content']}")
+                    assert turn.endswith("<|im_end|>") and all(s.loss_mask[start:stop])
+                    checked += bool(m.get("reasoning_content"))
+    assert checked >= 4  # openthoughts, nemotron, llama-nemotron, opencodereasoning
