@@ -27,6 +27,7 @@ from pathlib import Path
 
 from eagle3.chat import ChatRenderer, RenderError, Sample, split_for_generation
 from eagle3.conversations import to_conversation
+from eagle3.progress import progress
 from eagle3.recipes import DatasetSpec
 from eagle3.records import RecordError, TokenizedRecord
 from eagle3.sources import RawRow, parse_row, raw_for_quarantine
@@ -235,7 +236,7 @@ def assemble(spec: DatasetSpec, out_dir: Path, n_chunks: int) -> dict:
     with ExitStack() as stack:  # every output is renamed into place only if all succeed
         writers = {name: stack.enter_context(atomic_writer(out_dir / name)) for name in names}
         writers.setdefault("tokenized.jsonl", _NoTokenized())
-        for chunk in range(n_chunks):
+        for chunk in progress(range(n_chunks), desc=f"01 assemble {spec.name}", unit="chunk"):
             if not _assemble_chunk(spec, parts, chunk, writers, seen, counts):
                 break
     return counts

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from eagle3.progress import progress
+
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
@@ -148,13 +150,17 @@ class _JsonlFile:
         self.path = path
         self.offsets = array("q")
         self.lines = array("q")  # 1-based line numbers of non-blank lines
-        with path.open("rb") as f:
+        bar = progress(total=path.stat().st_size, desc=f"index {path.name}", unit="B")
+        with path.open("rb") as f, bar:
             pos = 0
             for n, line in enumerate(f, start=1):
                 if line.strip():
                     self.offsets.append(pos)
                     self.lines.append(n)
                 pos += len(line)
+                if n % 65536 == 0:
+                    bar.update(pos - bar.n)
+            bar.update(pos - bar.n)
 
     def __len__(self) -> int:
         return len(self.offsets)
