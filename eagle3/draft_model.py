@@ -199,6 +199,7 @@ class TTTMasks:
 
 
 _compiled_flex = None
+FLEX_RECOMPILE_LIMIT = 64  # >= 2 x ttt_steps x (distinct row widths); see flex_ttt_attention
 
 
 def flex_ttt_attention(q_BhTd, keys: list, values: list, block_mask) -> torch.Tensor:
@@ -215,9 +216,16 @@ def flex_ttt_attention(q_BhTd, keys: list, values: list, block_mask) -> torch.Te
         fn = _compiled_flex
     k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
     v = values[0] if len(values) == 1 else torch.cat(values, dim=2)
-    return fn(q_BhTd, k, v, block_mask=block_mask,
-              scale=1.0 / math.sqrt(q_BhTd.shape[-1]),
-              enable_gqa=q_BhTd.shape[1] != k.shape[1])
+    # Every TTT step has its own key length, and training and eval differ in grad mode: about
+    # 2 x ttt_steps compiled graphs per row width. Past dynamo's default recompile limit (8) the
+    # call silently falls back to eager flex, which materialises the scores: the reference run
+    # trained a 512-wide draft at ~1 s/step that way (eval added the 9th graph).
+    kwargs = dict(block_mask=block_mask, scale=1.0 / math.sqrt(q_BhTd.shape[-1]),
+                  enable_gqa=q_BhTd.shape[1] != k.shape[1])
+    if fn is not _compiled_flex:  # traced into an outer compiled graph, or the CPU reference
+        return fn(q_BhTd, k, v, **kwargs)
+    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+        return fn(q_BhTd, k, v, **kwargs)
 
 
 # ---------------------------------------------------------------- the layer
