@@ -132,14 +132,20 @@ def load_lm_head(path: Path, rows: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def load_tokenizer(path: Path):
+    """The target's tokenizer and chat template from its local folder.
+
+    `trust_remote_code`: Kimi-K2.5 ships its (tiktoken-based) tokenizer as Python code in the
+    model folder, as SGLang's `--trust-remote-code` expects; the folder is the user's own target.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 
 
 def load_hf_model(path: Path, dtype: str = "float32", device: str = "cpu"):
     """The whole target through transformers (small targets, the demo, tests)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                 trust_remote_code=True)
     return model.to(device).eval()
