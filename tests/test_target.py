@@ -98,3 +98,28 @@ def test_target_info_reads_a_multimodal_wrapper_and_rope_parameters(tmp_path):
     info = read_target_info(tmp_path)
     assert (info.hidden_size, info.vocab_size, info.rope_theta) == (7168, 163840, 50000.0)
     assert target_mod.default_capture_layers(info.num_hidden_layers) == [2, 30, 58]
+
+
+def test_load_tokenizer_runs_the_folder_code_when_the_tokenizer_is_custom(tiny_target_dir,
+                                                                          tmp_path):
+    """Kimi-K2.5 ships its tokenizer as code (`auto_map`); it must load like the real one."""
+    import json
+    import shutil
+
+    from eagle3.target import load_tokenizer
+
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_target_dir, folder)
+    (folder / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "CustomTokenizer"
+    cfg["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}
+    cfg_path.write_text(json.dumps(cfg))
+    tok = load_tokenizer(folder)
+    assert type(tok).__name__ == "CustomTokenizer"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True).endswith(
+        "<|im_assistant|>assistant<|im_middle|>")
