@@ -148,8 +148,8 @@ def test_generate_completes_every_record_once_or_fails_it_when_server_faults(
         rc = _main(_argv(tmp_path, tiny_target_dir, server.url, "--concurrency", "24",
                          "--request-timeout-s", "0.4", "--max-failure-fraction", "0.05"))
     assert rc == 0 and restarted.is_set()
-    kinds = {r.get("kind") for r in server.requests}
-    assert {"ok", "error", "drop", "hang", "slow", "abort", "fail_id"} <= kinds
+    # every fault was drawn (a request hanging at shutdown never finishes, so count draws)
+    assert {"ok", "error", "drop", "hang", "slow", "abort", "fail_id"} <= set(server.drawn)
     records = _records(tmp_path)
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids))  # exactly once

@@ -78,6 +78,7 @@ class FakeSGLang:
         # openai: how many prompt tokens a chat request has (a template render); None = omit.
         self.prompt_tokens = prompt_tokens
         self.requests: list[dict] = []  # rid, kind ("ok" or the fault), start, end, sizes
+        self.drawn: list[str] = []  # every fault kind as drawn, also of requests still hanging
         self.inflight = 0
         self.max_inflight = 0
         self._rng = random.Random(self.faults.seed)
@@ -139,14 +140,20 @@ class FakeSGLang:
 
     # ------------------------------------------------------------ handlers
 
-    async def _fault(self, request: web.Request, rid: str) -> tuple[str, web.Response | None]:
-        """Apply a fault drawn for this request; (kind, response to send instead or None)."""
+    async def _fault(self, request: web.Request, rid: str,
+                     entry: dict) -> tuple[str, web.Response | None]:
+        """Apply a fault drawn for this request; (kind, response to send instead or None).
+
+        The kind is recorded in `entry` as soon as it is drawn, so a request still hanging when
+        a test inspects `requests` shows up as "hang"."""
         f = self.faults
         base = rid.split("~")[0]
         lo, hi = f.delay_s
         if hi > 0:
             await asyncio.sleep(self._rng.uniform(lo, hi))
         if base in f.fail_ids:
+            entry["kind"] = "fail_id"
+            self.drawn.append("fail_id")
             return "fail_id", web.Response(status=500, text=f"injected failure for {base}")
         r = self._rng.random()
         for kind, rate in (("error", f.error_rate), ("drop", f.drop_rate),
@@ -156,7 +163,11 @@ class FakeSGLang:
                 break
             r -= rate
         else:
+            entry["kind"] = "ok"
+            self.drawn.append("ok")
             return "ok", None
+        entry["kind"] = kind
+        self.drawn.append(kind)
         if kind == "error":
             return kind, web.Response(status=500, text="injected internal error")
         if kind == "drop":
@@ -183,7 +194,7 @@ class FakeSGLang:
                  "start": time.monotonic(), "path": "/generate"}
         self._enter(entry)
         try:
-            kind, resp = await self._fault(request, rid)
+            kind, resp = await self._fault(request, rid, entry)
             entry["kind"] = kind
             if resp is not None:
                 return resp
@@ -208,7 +219,7 @@ class FakeSGLang:
                  "body": body, "authorization": request.headers.get("Authorization")}
         self._enter(entry)
         try:
-            kind, resp = await self._fault(request, "")
+            kind, resp = await self._fault(request, "", entry)
             entry["kind"] = kind
             if resp is not None:
                 return resp
