@@ -49,8 +49,8 @@ checks `num_tokens == len(input_ids)`.
 
 Server flags the dump needs (see `patches/README.md`): `--disable-radix-cache`,
 `--skip-server-warmup`, no `--enable-mixed-chunk`, no pipeline parallelism, no prefill CUDA graph
-(`--disable-piecewise-cuda-graph` up to 0.5.16, `--cuda-graph-backend-prefill disabled` from
-0.5.17), no `--allow-auto-truncate`.
+(`--disable-piecewise-cuda-graph` up to 0.5.13, `--cuda-graph-backend-prefill disabled` from
+0.5.14), no `--allow-auto-truncate`.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def split_requests(forward_batch: Any) -> list[RequestRows]:
         raise DumpError(
             "EXTEND pass without rids/extend_seq_lens_cpu/extend_prefix_lens_cpu (a prefill "
             "CUDA graph replay?); start the server with --disable-piecewise-cuda-graph "
-            "(SGLang <= 0.5.16) or --cuda-graph-backend-prefill disabled (>= 0.5.17)"
+            "(SGLang <= 0.5.13) or --cuda-graph-backend-prefill disabled (>= 0.5.14)"
         )
     lens, prefixes = _as_int_list(lens), _as_int_list(prefixes)
     starts_src = forward_batch.extend_start_loc
