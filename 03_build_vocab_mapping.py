@@ -19,12 +19,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from eagle3.cli import arg, config_dict, parse_config, setup_logging
 from eagle3.progress import format_summary, human_seconds, progress
 from eagle3.records import count_jsonl
-from eagle3.stage import atomic_write_bytes, atomic_write_json, open_stage, require_upstream
+from eagle3.stage import (
+    atomic_save_safetensors,
+    atomic_write_json,
+    open_stage,
+    require_upstream,
+)
 from eagle3.target import load_tokenizer, read_target_info
 from eagle3.vocab import build_mapping, count_supervised, report, select_hot_ids
 
@@ -62,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     hot = select_hot_ids(counts, cfg.draft_vocab)
     mapping = build_mapping(hot, info.vocab_size)
-    tmp = stage.dir / "vocab_mapping.safetensors.tmp"
-    save_file(mapping, str(tmp))
-    atomic_write_bytes(stage.dir / "vocab_mapping.safetensors", tmp.read_bytes())
-    tmp.unlink()
+    atomic_save_safetensors(mapping, stage.dir / "vocab_mapping.safetensors")
     rep = report(counts, hot, load_tokenizer(cfg.target))
     atomic_write_json(stage.dir / "report.json", rep)
     stage.finish(outputs={"draft_vocab": cfg.draft_vocab, "target_vocab": info.vocab_size,

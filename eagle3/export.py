@@ -14,10 +14,10 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagle3.draft_model import DraftConfig, Eagle3Draft
-from eagle3.stage import atomic_write_bytes, atomic_write_json
+from eagle3.stage import atomic_save_safetensors, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +142,7 @@ def export_sglang(draft: Eagle3Draft, out_dir: Path, sglang_version: str | None 
     if set(tensors) != set(expected):
         raise ExportError(f"draft tensors {sorted(set(tensors) ^ set(expected))} differ from "
                           "the SGLang names")
-    tmp = out_dir / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    atomic_write_bytes(out_dir / "model.safetensors", tmp.read_bytes())
-    tmp.unlink()
+    atomic_save_safetensors(tensors, out_dir / "model.safetensors", {"format": "pt"})
     atomic_write_json(out_dir / "config.json", config)
     log.info("exported draft to %s; %s", out_dir,
              describe_layers(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))

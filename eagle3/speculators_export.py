@@ -19,10 +19,9 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from eagle3.draft_model import DraftConfig, Eagle3Draft
-from eagle3.stage import atomic_write_bytes, atomic_write_json
+from eagle3.stage import atomic_save_safetensors, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +95,7 @@ def export_speculators(draft: Eagle3Draft, out_dir: Path, verifier: str | None,
         t = t.detach().cpu()
         tensors[speculators_name(name)] = (t.to(torch.bfloat16) if t.is_floating_point()
                                            else t).contiguous()
-    tmp = out_dir / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    atomic_write_bytes(out_dir / "model.safetensors", tmp.read_bytes())
-    tmp.unlink()
+    atomic_save_safetensors(tensors, out_dir / "model.safetensors", {"format": "pt"})
     atomic_write_json(out_dir / "config.json",
                       speculators_config(draft.cfg, verifier, steps, architectures))
     log.info("exported the speculators-format draft to %s (eagle_aux_hidden_state_layer_ids=%s)",

@@ -33,22 +33,6 @@ class StageError(RuntimeError):
 # ---------------------------------------------------------------- atomic writes
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temp file in the same folder, fsync, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @contextmanager
 def atomic_writer(path: Path) -> Iterator[BinaryIO]:
     """A binary file whose content replaces `path` only if the block ends without error.
@@ -70,8 +54,21 @@ def atomic_writer(path: Path) -> Iterator[BinaryIO]:
         raise
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temp file in the same folder, fsync, then rename."""
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
+
+
+def atomic_save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    """`safetensors.torch.save_file` made atomic (no half-written or temp file left behind)."""
+    from safetensors.torch import save
+
+    atomic_write_bytes(path, save(tensors, metadata=metadata))
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
