@@ -132,19 +132,26 @@ async def post_once(session: aiohttp.ClientSession, url: str, payload: dict, tim
         raise TransientError(f"{url}: unparsable answer for {what}: {e}") from e
 
 
-async def post_json(session: aiohttp.ClientSession, url: str, payload: dict,
-                    policy: RetryPolicy, what: str, headers: dict | None = None) -> dict:
-    """POST `payload` and return the JSON answer, retrying transient failures."""
+async def _with_retries(attempt_once, policy: RetryPolicy, what: str, where: str = "") -> dict:
+    """Await `attempt_once()` until it succeeds, backing off after each TransientError."""
     last: Exception | None = None
     for attempt in range(policy.max_retries + 1):
         if attempt:
             await asyncio.sleep(policy.delay_s(attempt))
         try:
-            return await post_once(session, url, payload, policy.timeout_s, what, headers)
+            return await attempt_once()
         except TransientError as e:
             last = e
             log.debug("attempt %d for %s failed: %s", attempt + 1, what, e)
-    raise ServerError(f"{url}: {what} failed after {policy.max_retries + 1} attempts: {last}")
+    raise ServerError(f"{where}{what} failed after {policy.max_retries + 1} attempts: {last}")
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, payload: dict,
+                    policy: RetryPolicy, what: str, headers: dict | None = None) -> dict:
+    """POST `payload` and return the JSON answer, retrying transient failures."""
+    return await _with_retries(
+        lambda: post_once(session, url, payload, policy.timeout_s, what, headers), policy, what,
+        f"{url}: ")
 
 
 async def post_pool_once(session: aiohttp.ClientSession, pool: ServerPool, path: str,
@@ -164,17 +171,9 @@ async def post_pool_once(session: aiohttp.ClientSession, pool: ServerPool, path:
 async def post_pool(session: aiohttp.ClientSession, pool: ServerPool, path: str, payload: dict,
                     policy: RetryPolicy, what: str, headers: dict | None = None) -> dict:
     """`post_json` over a pool: every attempt picks its server anew."""
-    last: Exception | None = None
-    for attempt in range(policy.max_retries + 1):
-        if attempt:
-            await asyncio.sleep(policy.delay_s(attempt))
-        try:
-            return await post_pool_once(session, pool, path, payload, policy.timeout_s, what,
-                                        headers)
-        except TransientError as e:
-            last = e
-            log.debug("attempt %d for %s failed: %s", attempt + 1, what, e)
-    raise ServerError(f"{what} failed after {policy.max_retries + 1} attempts: {last}")
+    return await _with_retries(
+        lambda: post_pool_once(session, pool, path, payload, policy.timeout_s, what, headers),
+        policy, what)
 
 
 async def generate(session: aiohttp.ClientSession, base_url: "str | ServerPool",
