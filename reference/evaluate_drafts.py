@@ -13,6 +13,7 @@ prompts, lossless mismatches (temperature 0) and the loop share of the outputs.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import time
@@ -72,8 +73,17 @@ class DraftEvaluator:
     def baseline(self, num_prompts: int, max_new: int, temperature: float) -> dict:
         """Plain decoding of the first `num_prompts` prompts (cached): outputs, tok/s, loops."""
         path = self.cache_dir / f"baseline_p{num_prompts}_n{max_new}_t{temperature:g}.json"
-        if path.exists():
-            return json.loads(path.read_text())
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        # Workers side by side (reference/parallel.py) share a baseline: the first decodes it,
+        # the others wait on the lock and read the file.
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                return json.loads(path.read_text())
+            return self._decode_baseline(path, num_prompts, max_new, temperature)
+
+    def _decode_baseline(self, path: Path, num_prompts: int, max_new: int,
+                         temperature: float) -> dict:
         outputs, seconds = [], 0.0
         bar = progress(total=num_prompts, desc=f"plain decoding t={temperature:g}", unit="prompt")
         for k, prompt in enumerate(self.prompts[:num_prompts]):

@@ -1,80 +1,165 @@
 """Phase 3 of the reference benchmark: every draft of the run on the same held-out prompts.
 
-In priority order (later tasks are skipped when the command's budget runs out): the final draft
-(bf16 states, chains of 3 and 7), the controls and their detection, 05 at temperature 1, the
-per-epoch checkpoints, then the fp8-state and data-size drafts (trained here first if phase 2
-had no time left for them).
+The evaluations run as subprocesses side by side (reference/parallel.py: batch-1 decoding of
+this target leaves the GPU mostly idle), submitted in priority order: the final draft (bf16
+states, chains of 3 and 7), the controls, 05 at temperature 1 and the per-epoch checkpoints.
+Meanwhile this process trains the fp8-state and data-size drafts (phase 2 leaves them here) and
+submits each one's evaluation when it is trained. What no longer fits the time budget is not
+started and is listed in the summary; running the phase again does it (finished work is kept).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 from eagle3.stage import atomic_write_json, read_manifest
-from reference.stages import export_checkpoint
+from reference.parallel import JobPool
+from reference.stages import ROOT, SCRIPTS, STAGE_DIRS, export_checkpoint
 
 log = logging.getLogger(__name__)
 
 # A control has collapsed when its gain over plain decoding (acceptance - 1) is below this share
 # of the correct draft's gain on the same prompts.
 COLLAPSE_SHARE = 0.25
+CONTROL_SPECS = ("control_reference", "control_final_state", "control_shifted_layers")
+
+
+class Phase3:
+    """Submits the evaluations of one run to a JobPool and records how each one ended."""
+
+    def __init__(self, s, pool: JobPool):
+        from reference.evaluate_drafts import EvalSpec
+
+        self.s, self.pool, self.EvalSpec = s, pool, EvalSpec
+        p = s.p
+        self.evals = s.results / "evals"
+        self.limit = max(p.sweep_prompts, p.control_prompts)
+        self.sweep = {"num_prompts": p.sweep_prompts, "max_new_tokens": p.sweep_max_new}
+        self.spt = s.seconds_per_token()
+        self.accept = expected_acceptance(s.w / "bench_t0" / "05_benchmark" / "results.json")
+        self.tasks: dict[str, list[str]] = {}  # task -> the jobs it is made of
+
+    def estimate(self, spec, acceptance: float | None = None) -> float:
+        from reference.evaluate_drafts import estimate_seconds
+
+        return estimate_seconds(spec, self.spt, acceptance or self.accept) + 15
+
+    def evaluate(self, task: str, spec, acceptance: float | None = None) -> None:
+        """Queue one draft evaluation (as the job `spec.name`) under `task`."""
+        self.tasks.setdefault(task, []).append(spec.name)
+        if task in self.s.state["done"] or (self.evals / f"eval_{spec.name}.json").exists():
+            return
+        p = self.s.p
+        raw = {**asdict(spec), "draft": str(spec.draft)}
+        self.pool.submit(spec.name, self.pool.python(ROOT / "reference" / "eval_worker.py", [
+            "--target", self.s.target, "--prompts", self.s.heldout_prompts,
+            "--prompts-workdir", self.s.heldout, "--limit", self.limit, "--cache", self.evals,
+            "--spec", json.dumps(raw), "--device", p.device, "--dtype", self.s.eval_dtype]),
+            self.estimate(spec, acceptance))
+
+    def bench_t1(self) -> None:
+        """05 at temperature 1 (speculative sampling), the production script in a subprocess."""
+        s = self.s
+        self.tasks["05 t1"] = ["05 t1"]
+        w = s.bench_workdir("t1")
+        if "05 t1" in s.state["done"] or (read_manifest(w / STAGE_DIRS["05"]) or {}).get(
+                "complete"):
+            return
+        spec = self.EvalSpec("05 t1", w, [3, 7], num_prompts=s.p.bench_t1_prompts,
+                             max_new_tokens=s.p.bench_max_new)
+        args = ["--workdir", w, *s.bench_args(1.0, s.p.bench_t1_prompts)]
+        # Sampling accepts less than greedy decoding; the plain baseline is decoded too.
+        self.pool.submit("05 t1", self.pool.python(ROOT / SCRIPTS["05"], args),
+                         1.6 * self.estimate(spec))
+
+    def record(self, jobs) -> None:
+        """Mark each task done, skipped or failed from how its jobs ended."""
+        s, by_name = self.s, {j.name: j for j in jobs}
+        for task, names in self.tasks.items():
+            if task in s.state["done"]:
+                continue
+            mine = [by_name[n] for n in names if n in by_name]
+            if task == "05 t1" and "05 t1" in by_name:
+                job = by_name["05 t1"]
+                if not job.skipped:
+                    s.runner.record_external("05 t1", "05", s.bench_workdir("t1"), job.argv,
+                                             job.rc, job.wall_s)
+            ok = (0, 1) if task == "05 t1" else (0,)  # 05's 1: lossless mismatches, reported
+            skipped = [j for j in mine if j.skipped]
+            failed = [j for j in mine if not j.skipped and j.rc not in ok]
+            if skipped:
+                s.state["skipped"][task] = skipped[0].skipped
+            elif failed:
+                s.state.setdefault("failed", {})[task] = "; ".join(
+                    f"{j.name} exited with {j.rc} (log: {self.pool.log_path(j)})" for j in failed)
+            elif task != "controls" or self._controls_done():
+                s.state["done"][task] = {"wall_s": round(max((j.wall_s for j in mine),
+                                                             default=0.0), 1),
+                                         "jobs": {j.name: round(j.wall_s, 1) for j in mine},
+                                         "side_by_side": True}
+                s.state["skipped"].pop(task, None)
+                s.state.get("failed", {}).pop(task, None)
+        s.save()
+
+    def _controls_done(self) -> bool:
+        if not all((self.evals / f"eval_{n}.json").exists() for n in CONTROL_SPECS):
+            return False
+        run_controls(self.s, [json.loads((self.evals / f"eval_{n}.json").read_text())
+                              for n in CONTROL_SPECS])
+        return True
+
+
+def expected_acceptance(bench_results: Path, default: float = 1.6) -> float:
+    """Acceptance at 3 steps measured by 05 at temperature 0 (for time estimates)."""
+    if not bench_results.exists():
+        return default
+    sets = json.loads(bench_results.read_text()).get("prompt_sets") or {}
+    values = [r["steps"]["3"]["acceptance_length"] for r in sets.values() if "3" in r["steps"]]
+    return values[0] if values else default
 
 
 def run_phase3(s) -> None:
     """`s`: the run's reference.steps.PhaseSteps."""
-    from eagle3.chat import ChatRenderer
-    from eagle3.prompts import load_prompt_set
-    from eagle3.target import load_tokenizer
-    from reference.evaluate_drafts import DraftEvaluator, EvalSpec, estimate_seconds
+    from reference.evaluate_drafts import EvalSpec
 
     p, final = s.p, s.main / "04_train" / "final"
-    limit = max(p.sweep_prompts, p.control_prompts)
-    prompts = load_prompt_set(str(s.heldout_prompts), s.heldout,
-                              ChatRenderer(load_tokenizer(s.target)), limit).prompts
-    ev = DraftEvaluator(s.target, prompts, s.results / "evals", p.device, s.eval_dtype)
-    sweep = {"num_prompts": p.sweep_prompts, "max_new_tokens": p.sweep_max_new}
-    main = EvalSpec("main", final, [3, 7], **sweep)
-    s.task("eval main", lambda: ev.run(main))
-    base = ev.baseline(p.sweep_prompts, p.sweep_max_new, 0.0)
-    s.state["seconds_per_token"] = spt = base["seconds_per_token"]
-    accept = ev.run(main)["steps"]["3"]["acceptance_length"]
-
-    def est(spec, acceptance=accept):
-        return estimate_seconds(spec, spt, acceptance) + 10
-
-    _controls_and_sampling(s, ev, est, EvalSpec)
-    root = s.main / "04_train" / "checkpoints"
-    for step in intermediate_steps(root):
-        spec = EvalSpec(f"ckpt_{step}", s.w / "epochs" / f"step_{step:06d}", [3], **sweep)
-        s.task(f"eval checkpoint {step}",
-               lambda spec=spec, d=root / f"step_{step:06d}": _eval_epoch(ev, spec, d),
-               est(spec))
-    # Runs phase 2 could not fit come next, each followed by its evaluation.
-    s.task("train fp8", s.train_fp8, s.fp8_estimate())
-    if (s.w / "fp8" / "04_train" / "final").is_dir():
-        spec = EvalSpec("fp8", s.w / "fp8" / "04_train" / "final", [3, 7], **sweep)
-        s.task("eval fp8", lambda: ev.run(spec), est(spec))
-    for n in s.size_counts():
-        s.task(f"train size {n}", lambda n=n: s.train_size(n), s.size_estimate(n))
-        draft = s.w / f"size_{n}" / "04_train" / "final"
-        if draft.is_dir():
-            spec = EvalSpec(f"size_{n}", draft, [3], **sweep)
-            s.task(f"eval size {n}", lambda spec=spec: ev.run(spec), est(spec))
-
-
-def _controls_and_sampling(s, ev, est, EvalSpec) -> None:
-    """The controls beside the correct draft, then 05 at temperature 1 (speculative sampling)."""
-    p, final = s.p, s.main / "04_train" / "final"
-    control = {"num_prompts": p.control_prompts, "max_new_tokens": p.control_max_new}
-    specs = [EvalSpec("control_reference", final, [3], **control),
-             EvalSpec("control_final_state", final, [3], control="final_state", **control),
-             EvalSpec("control_shifted_layers", final, [3], control="shifted_layers", **control)]
-    s.task("controls", lambda: run_controls(s, ev, specs), sum(est(x, 1.0) for x in specs))
-    bench = EvalSpec("bench", final, [3, 7], num_prompts=p.bench_prompts,
-                     max_new_tokens=p.bench_max_new)
-    s.task("05 t1", lambda: s.bench("t1", 1.0), est(bench) * 1.6)
+    t0 = time.time()
+    with JobPool(p.eval_workers, s.deadline, s.results / "logs",
+                 env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}) as pool:
+        ph = Phase3(s, pool)
+        sweep = ph.sweep
+        control = {"num_prompts": p.control_prompts, "max_new_tokens": p.control_max_new}
+        ph.evaluate("eval main", EvalSpec("main", final, [3, 7], **sweep))
+        ph.evaluate("controls", EvalSpec(CONTROL_SPECS[0], final, [3], **control))
+        for name in ("final_state", "shifted_layers"):
+            ph.evaluate("controls", EvalSpec(f"control_{name}", final, [3], control=name,
+                                             **control), acceptance=1.0)
+        ph.bench_t1()
+        root = s.main / "04_train" / "checkpoints"
+        for step in intermediate_steps(root):
+            draft = s.w / "epochs" / f"step_{step:06d}"
+            export_checkpoint(root / f"step_{step:06d}",
+                              json.loads((root / f"step_{step:06d}" / "config.json").read_text()),
+                              draft)
+            ph.evaluate(f"eval checkpoint {step}", EvalSpec(f"ckpt_{step}", draft, [3], **sweep))
+        # Trained here, beside the evaluations; each evaluated once trained.
+        s.task("train fp8", s.train_fp8, s.fp8_estimate())
+        if (s.w / "fp8" / "04_train" / "final").is_dir():
+            ph.evaluate("eval fp8", EvalSpec("fp8", s.w / "fp8" / "04_train" / "final", [3, 7],
+                                             **sweep))
+        for n in s.size_counts():
+            s.task(f"train size {n}", lambda n=n: s.train_size(n), s.size_estimate(n))
+            draft = s.w / f"size_{n}" / "04_train" / "final"
+            if draft.is_dir():
+                ph.evaluate(f"eval size {n}", EvalSpec(f"size_{n}", draft, [3], **sweep))
+        ph.record(pool.wait())
+    s.state.setdefault("parallel", {})["phase3_wall_s"] = round(time.time() - t0, 1)
+    s.state["parallel"]["eval_workers"] = p.eval_workers
+    s.save()
 
 
 def intermediate_steps(root: Path) -> list[int]:
@@ -87,19 +172,13 @@ def intermediate_steps(root: Path) -> list[int]:
     return [s for s in steps[:-1] if s < 0.95 * steps[-1]]
 
 
-def _eval_epoch(ev, spec, step_dir: Path) -> None:
-    """Export one epoch's checkpoint as a draft folder (`spec.draft`), then evaluate it."""
-    config = json.loads((step_dir / "config.json").read_text())  # holds the DraftConfig fields
-    export_checkpoint(step_dir, config, spec.draft)
-    ev.run(spec)
-
-
-def run_controls(s, ev, specs) -> None:
-    """Evaluate the controls next to the correct draft, then run the project's checks."""
+def run_controls(s, results: list[dict]) -> None:
+    """From the evaluations of the correct draft and the two controls on the same prompts
+    (in CONTROL_SPECS order): did each collapse, and does the project's check catch it."""
     from eagle3.target import read_target_info
     from reference.controls import detect_eagle_mistake, detect_shifted_layers
 
-    ref, *controls = [ev.run(spec) for spec in specs]
+    ref, *controls = results
     ref_gain = ref["steps"]["3"]["acceptance_length"] - 1
     final = s.main / "04_train" / "final"
     info = read_target_info(s.target)

@@ -115,7 +115,7 @@ def collect(workdir: Path, profile: str) -> dict:
     target = (_read(w / "target" / "reference_target.json") or {}).get("summary")
     sweeps = {p.stem[len("eval_"):]: _strip_ids(_read(p))
               for p in sorted((res / "evals").glob("eval_*.json"))}
-    baselines = {p.stem: _strip_ids(_read(p)) for p in sorted((res / "evals").glob("baseline_*"))}
+    baselines = {p.stem: _strip_ids(_read(p)) for p in sorted((res / "evals").glob("baseline_*.json"))}
     return {"profile": profile, "environment": environment(),
             "corpus": _read(w / "corpus" / "corpus.json"), "target": target,
             "data": {"main": split_tokens(w / "main")}, "stages": stages,
@@ -179,10 +179,13 @@ def _stages_md(s: dict) -> list[str]:
         if th.get("loop_tok_s"):
             rate += " (training loop {:,.0f})".format(th["loop_tok_s"])
         disk = (r.get("manifest") or {}).get("disk_bytes")
+        peak = r.get("peak_gpu_bytes")
+        if peak is None:  # a subprocess beside the phase-3 evaluations
+            label += " (side by side)"
         lines.append(f"| {label} | {r['wall_s']:.1f} | {rate} | "
                      f"{human_bytes(disk) if disk else '–'} | "
                      f"{_f(th.get('bytes_per_token'), '{:,.0f}')} | "
-                     f"{(r.get('peak_gpu_bytes') or 0) / GiB:.2f} |")
+                     f"{_f(peak if peak is None else peak / GiB, '{:.2f}')} |")
     return lines + [""]
 
 
@@ -202,7 +205,23 @@ def _bench_md(s: dict) -> list[str]:
                     f"{m['speedup']:.2f} | {_f(base_loop, '{:.3f}')} / "
                     f"{_f((m.get('loop') or {}).get('share'), '{:.3f}')} | "
                     f"{'n/a' if mism is None else ('yes' if mism == 0 else f'{mism} differ')} |")
+    if (s["bench"].get("t1") and (s["stages"].get("05 t1") or {}).get("peak_gpu_bytes", 0)
+            is None):
+        lines += ["", "05 at temperature 1 ran in phase 3 beside the other evaluations: its tok/s "
+                  "and speedup are slowed by them. The speed figures are those at temperature 0."]
     return lines + [""]
+
+
+def _parallel_md(state: dict) -> list[str]:
+    """How phase 3's side-by-side evaluations went: their wall time against their sum."""
+    par = state.get("parallel") or {}
+    jobs = {n: w for d in (state.get("done") or {}).values() if d.get("side_by_side")
+            for n, w in (d.get("jobs") or {}).items()}
+    if not par or not jobs:
+        return []
+    return [f"Phase 3: {len(jobs)} evaluation processes, {par.get('eval_workers')} at a time "
+            f"beside the fp8 and data-size training, took {par['phase3_wall_s']:.0f} s; the "
+            f"processes' own wall times add up to {sum(jobs.values()):.0f} s.", ""]
 
 
 def _sweep_md(s: dict, names: list[tuple[str, str]]) -> list[str]:
@@ -267,6 +286,7 @@ def markdown(s: dict) -> str:
            "### Controls (must collapse, must be detected)", "", *_controls_md(s)]
     state = s.get("state") or {}
     notes = list(state.get("notes") or []) + [state[k] for k in ("eval_dtype_note",) if k in state]
+    out += _parallel_md(state)
     out += [f"Evaluation dtype: {state.get('eval_dtype', '–')}; target decoding cost "
             f"{_f(state.get('seconds_per_token'), '{:.4f}')} s/token at batch 1.", ""]
     if notes:

@@ -1,24 +1,30 @@
 #!/usr/bin/env python3
 """GPU reference benchmark: a small real target trained here, then the whole pipeline against it.
 
-Phases (each one command of under 10 minutes on one H200; each resumes from what the previous
-left in --workdir, which must therefore stay on the same machine):
+Phases (each resumes from what the previous left in --workdir, which must therefore stay on the
+same machine):
 
     1  corpus (stdlib as chat samples) -> reference target (tokenizer + DeepSeek-V3 MoE, trained
        a few minutes) -> 01 -> 01b (hf, greedy regeneration) -> merge; 01 of the held-out prompts
-    2  02b (hf, bf16 states) -> 03 -> 04 (checkpoint every epoch) -> 05 (hf, temperature 0, held-out
-       prompts, chains of 3 and 7); then, time allowing: 02b fp8 + 04, and the data-size runs
-       (02b + 03 + 04 on the first 1/4 and 1/2 of the merged train split)
-    3  sweeps with the production evaluator on the same held-out prompts: the final draft
-       (bf16 states; chains 3 and 7), the two controls and their detection by the preflight,
-       05 at temperature 1, fp8 states, data sizes, epochs
+    2  02b (hf, bf16 states) -> 03 -> 04 (checkpoint every epoch) -> 05 (hf, temperature 0,
+       held-out prompts, chains of 3 and 7), alone on the GPU: the run's speed figures
+    3  evaluations side by side in subprocesses (reference/parallel.py) with the production
+       evaluator on the same held-out prompts: the final draft (bf16 states; chains 3 and 7),
+       the two controls and their detection by the preflight, 05 at temperature 1, the epochs;
+       meanwhile this process trains the fp8-state and the data-size drafts (02b + 03 + 04 on
+       the first 1/4 and 1/2 of the merged train split), each evaluated once trained
 
 Every stage is the production script's own `main` (see reference/stages.py). Optional work is
-started only while the command's time budget (--deadline-s) allows; what was left out is listed
-in the summary and done by running the phase again. Results: <workdir>/results/summary.{md,json}
-(plus raw JSON), copied to --out (default $OUT) at the end of every command.
+started only while the time budget (--deadline-s, counted from this command's start) allows;
+what was left out is listed in the summary and done by running the phase again. Results:
+<workdir>/results/summary.{md,json} (plus raw JSON), copied to --out (default $OUT) at the end.
 
-H200 (three commands, back to back on the same machine):
+H200 (about 20 minutes of work, more than one device command may last): reference/follow.py
+starts phases 1-3 detached, and it and the calls after it follow the run and copy the results to
+$OUT; the machine must stay the same (the next call within its idle time):
+    python3 reference/follow.py --workdir /tmp/ref --start --deadline-s 1300 --wait-s 560
+    python3 reference/follow.py --workdir /tmp/ref --wait-s 560
+Or phase by phase, each command within 10 minutes:
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 1 --workdir /tmp/ref --out $OUT
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 2 --workdir /tmp/ref --out $OUT
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 3 --workdir /tmp/ref --out $OUT
@@ -70,12 +76,14 @@ class Profile:
     eval_dtype: str  # 05 and the sweeps: float32 keeps the lossless check exact
     bench_prompts: int  # 05: held-out prompts x tokens
     bench_max_new: int
+    bench_t1_prompts: int  # 05 at temperature 1 (phase 3, beside the other evaluations)
     sweep_prompts: int  # sweeps: held-out prompts x tokens
     sweep_max_new: int
     control_prompts: int
     control_max_new: int
     size_fractions: tuple[float, ...]  # data-size study: shares of the merged train split
     deadline_s: float  # per command: no optional work is started past it
+    eval_workers: int  # phase 3: evaluations run side by side in this many subprocesses
     threads: int = 0  # torch CPU threads for the run (0 = torch's default)
 
 
@@ -91,10 +99,10 @@ PROFILES = {
         draft_vocab=4096,
         train=("--lr", "1e-3", "--num-workers", "6", "--max-eval-samples", "64",
                "--log-every", "20"),
-        epochs=3, train_max_seq_len=1024, pack_tokens=8192, eval_dtype="float32",
-        bench_prompts=20, bench_max_new=192,
+        epochs=4, train_max_seq_len=1024, pack_tokens=8192, eval_dtype="float32",
+        bench_prompts=20, bench_max_new=192, bench_t1_prompts=10,
         sweep_prompts=16, sweep_max_new=160, control_prompts=8, control_max_new=96,
-        size_fractions=(0.25, 0.5), deadline_s=540.0),
+        size_fractions=(0.25, 0.5), deadline_s=540.0, eval_workers=6),
     "smoke": Profile(
         device="cpu",
         corpus=("--max-files", "14", "--pipeline-samples", "16", "--heldout-share", "0.3",
@@ -109,8 +117,9 @@ PROFILES = {
         train=("--lr", "1e-3", "--num-workers", "0", "--max-eval-samples", "2",
                "--log-every", "5", "--ttt-steps", "3"),
         epochs=2, train_max_seq_len=256, pack_tokens=256, eval_dtype="float32",
-        bench_prompts=2, bench_max_new=16, sweep_prompts=2, sweep_max_new=16,
-        control_prompts=2, control_max_new=8, size_fractions=(0.25, 0.5), deadline_s=3600.0,
+        bench_prompts=2, bench_max_new=16, bench_t1_prompts=2, sweep_prompts=2,
+        sweep_max_new=16, control_prompts=2, control_max_new=8, size_fractions=(0.25, 0.5),
+        deadline_s=3600.0, eval_workers=2,
         threads=1),  # toy matrices: one thread beats several fighting over a shared CPU
 }
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",

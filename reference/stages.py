@@ -62,7 +62,7 @@ class StageRecord:
     command: str
     rc: int = 0
     wall_s: float = 0.0
-    peak_gpu_bytes: int = 0
+    peak_gpu_bytes: int | None = 0  # None: ran in a subprocess, not measured
     manifest: dict = field(default_factory=dict)
 
 
@@ -96,6 +96,18 @@ class StageRunner:
         rc, wall, peak = self._timed(lambda: self._main(stage, argv))
         return self._record(StageRecord(label, stage, str(workdir), command, rc, wall, peak,
                                         _manifest_summary(read_manifest(stage_dir))), ok_codes)
+
+    def record_external(self, label: str, stage: str, workdir: Path, argv: list[str], rc: int,
+                        wall_s: float) -> dict:
+        """Record a stage that ran as a subprocess (phase 3): its peak GPU memory is unknown."""
+        stage_dir = Path(workdir) / STAGE_DIRS[stage]
+        script = next((i for i, a in enumerate(argv) if a.endswith(SCRIPTS[stage])), 0)
+        command = " ".join(["python", SCRIPTS[stage], *argv[script + 1:]])
+        self.records[label] = asdict(StageRecord(
+            label, stage, str(workdir), command, rc, wall_s, None,
+            _manifest_summary(read_manifest(stage_dir))))
+        atomic_write_json(self.path, self.records)
+        return self.records[label]
 
     def run_callable(self, label: str, fn, command: str, workdir: Path) -> dict:
         """Run a step of the benchmark's own (corpus, target) with the same bookkeeping."""

@@ -205,10 +205,9 @@ class PhaseSteps:
         r.run("02b main (bf16)", "02b", self.main, self.extract_args("bf16"))
         r.run("03 main", "03", self.main, self.vocab_args())
         r.run("04 main", "04", self.main, self.train_args(self.main))
+        # 05 at temperature 0 runs alone: its tok/s and speedup are the run's speed figures.
+        # The fp8-state and data-size drafts are trained in phase 3, beside its evaluations.
         self.task("05 t0", lambda: self.bench("t0", 0.0))
-        self.task("train fp8", self.train_fp8, self.fp8_estimate())
-        for n in self.size_counts():
-            self.task(f"train size {n}", lambda n=n: self.train_size(n), self.size_estimate(n))
 
     def _per_sample_s(self) -> float:
         """02b + 04 seconds per train sample of the main run (for the time budget)."""
@@ -268,11 +267,15 @@ class PhaseSteps:
         if prompts < self.p.bench_prompts:
             self.state.setdefault("notes", []).append(
                 f"05 {tag}: {prompts} prompts instead of {self.p.bench_prompts} (time budget)")
-        w = linked_workdir(self.w / f"bench_{tag}", {
+        self.runner.run(f"05 {tag}", "05", self.bench_workdir(tag),
+                        self.bench_args(temperature, prompts),
+                        ok_codes=(0, 1))  # 1: lossless mismatches, reported in the summary
+
+    def bench_workdir(self, tag: str) -> Path:
+        """The work folder of one 05 run, its upstream stages linked to the main run's."""
+        return linked_workdir(self.w / f"bench_{tag}", {
             "01c_merged": self.main / "01c_merged",
             "02b_hidden_states": self.main / "02b_hidden_states"})
-        self.runner.run(f"05 {tag}", "05", w, self.bench_args(temperature, prompts),
-                        ok_codes=(0, 1))  # 1: lossless mismatches, reported in the summary
 
     # ------------------------------------------------------------ phase 3
 
