@@ -42,6 +42,7 @@ class Phase3:
         self.spt = s.seconds_per_token()
         self.accept = expected_acceptance(s.w / "bench_t0" / "05_benchmark" / "results.json")
         self.tasks: dict[str, list[str]] = {}  # task -> the jobs it is made of
+        self.submitted: list[str] = []  # jobs queued by this run
 
     def estimate(self, spec, acceptance: float | None = None) -> float:
         from reference.evaluate_drafts import estimate_seconds
@@ -53,6 +54,7 @@ class Phase3:
         self.tasks.setdefault(task, []).append(spec.name)
         if task in self.s.state["done"] or (self.evals / f"eval_{spec.name}.json").exists():
             return
+        self.submitted.append(spec.name)
         p = self.s.p
         raw = {**asdict(spec), "draft": str(spec.draft)}
         self.pool.submit(spec.name, self.pool.python(ROOT / "reference" / "eval_worker.py", [
@@ -72,6 +74,7 @@ class Phase3:
         spec = self.EvalSpec("05 t1", w, [3, 7], num_prompts=s.p.bench_t1_prompts,
                              max_new_tokens=s.p.bench_max_new)
         args = ["--workdir", w, *s.bench_args(1.0, s.p.bench_t1_prompts)]
+        self.submitted.append("05 t1")
         # Sampling accepts less than greedy decoding; the plain baseline is decoded too.
         self.pool.submit("05 t1", self.pool.python(ROOT / SCRIPTS["05"], args),
                          1.6 * self.estimate(spec))
@@ -157,8 +160,9 @@ def run_phase3(s) -> None:
             if draft.is_dir():
                 ph.evaluate(f"eval size {n}", EvalSpec(f"size_{n}", draft, [3], **sweep))
         ph.record(pool.wait())
-    s.state.setdefault("parallel", {})["phase3_wall_s"] = round(time.time() - t0, 1)
-    s.state["parallel"]["eval_workers"] = p.eval_workers
+    runs = s.state.setdefault("parallel", {}).setdefault("phase3_runs", [])
+    runs.append({"wall_s": round(time.time() - t0, 1), "eval_workers": p.eval_workers,
+                 "jobs": len(ph.submitted)})
     s.save()
 
 

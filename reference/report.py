@@ -213,15 +213,18 @@ def _bench_md(s: dict) -> list[str]:
 
 
 def _parallel_md(state: dict) -> list[str]:
-    """How phase 3's side-by-side evaluations went: their wall time against their sum."""
+    """How phase 3's side-by-side evaluations went: wall time against the processes' own."""
     par = state.get("parallel") or {}
+    runs = par.get("phase3_runs") or []
     jobs = {n: w for d in (state.get("done") or {}).values() if d.get("side_by_side")
             for n, w in (d.get("jobs") or {}).items()}
-    if not par or not jobs:
+    if not runs or not jobs:
         return []
-    return [f"Phase 3: {len(jobs)} evaluation processes, {par.get('eval_workers')} at a time "
-            f"beside the fp8 and data-size training, took {par['phase3_wall_s']:.0f} s; the "
-            f"processes' own wall times add up to {sum(jobs.values()):.0f} s.", ""]
+    walls = " + ".join(f"{r['wall_s']:.0f} s ({r['jobs']} processes, {r['eval_workers']} at a "
+                       "time)" for r in runs)
+    return [f"Phase 3 ({len(runs)} run{'s' if len(runs) > 1 else ''}): {walls}, the fp8 and "
+            f"data-size drafts trained meanwhile; the {len(jobs)} evaluation processes' own wall "
+            f"times add up to {sum(jobs.values()):.0f} s.", ""]
 
 
 def _sweep_md(s: dict, names: list[tuple[str, str]]) -> list[str]:

@@ -338,6 +338,17 @@ def test_smoke_run_completes_every_stage_and_copies_the_summary(smoke_run):
         assert (out / "reference" / name).is_file(), name
     state = json.loads((workdir / "results" / "state.json").read_text())
     assert state["skipped"] == {} and not state.get("failed")
+    # Phase 3 ran its evaluations as subprocesses side by side: 05 t1 among them (its peak GPU
+    # memory is not measured there, and the report says where it ran).
+    (run,) = state["parallel"]["phase3_runs"]
+    assert run["jobs"] >= 10 and run["eval_workers"] == 2
+    assert stages["05 t1"]["peak_gpu_bytes"] is None
+    assert stages["05 t1"]["command"].startswith("python 05_benchmark.py --workdir ")
+    side = {k for k, d in state["done"].items() if d.get("side_by_side")}
+    assert {"eval main", "controls", "05 t1", "eval fp8"} <= side
+    assert len([k for k in side if k.startswith("eval size ")]) == 2
+    md = (workdir / "results" / "summary.md").read_text()
+    assert "| 05 t1 (side by side) |" in md and "Phase 3 (1 run)" in md
 
 
 def test_smoke_target_loads_as_a_transformers_model_with_the_project_template(smoke_run):
