@@ -6,7 +6,7 @@ idle between commands is given back. Run detached, the pipeline never waits on t
 that follow it: the first call starts it (`--start`), every call waits up to --wait-s for it to
 end, prints where it is, rebuilds the summary from the files so far and copies it to --out.
 
-    python3 reference/follow.py --workdir /tmp/ref --start --deadline-s 1300 --wait-s 560 \
+    python3 reference/follow.py --workdir /tmp/ref --start --deadline-s 1450 --wait-s 560 \
         --out $OUT
     python3 reference/follow.py --workdir /tmp/ref --wait-s 560 --out $OUT   # again, if needed
 
@@ -35,7 +35,7 @@ class FollowConfig:
     workdir: Path = arg(help="work folder of the reference run")
     start: bool = arg(False, "start the run (phases 1-3, detached) unless it runs or has ended")
     profile: str = arg("h200", "profile of the run to start")
-    deadline_s: float = arg(1300.0, "the started run's time budget for optional work, seconds")
+    deadline_s: float = arg(1450.0, "the started run's time budget for optional work, seconds")
     wait_s: float = arg(560.0, "wait at most this long for the run to end")
     out: Path | None = arg(None, "copy the summary, raw JSON and console log here (default $OUT)")
     log_level: str = arg("INFO", "logging level")

@@ -22,7 +22,7 @@ what was left out is listed in the summary and done by running the phase again. 
 H200 (about 20 minutes of work, more than one device command may last): reference/follow.py
 starts phases 1-3 detached, and it and the calls after it follow the run and copy the results to
 $OUT; the machine must stay the same (the next call within its idle time):
-    python3 reference/follow.py --workdir /tmp/ref --start --deadline-s 1300 --wait-s 560
+    python3 reference/follow.py --workdir /tmp/ref --start --deadline-s 1450 --wait-s 560
     python3 reference/follow.py --workdir /tmp/ref --wait-s 560
 Or phase by phase, each command within 10 minutes:
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 1 --workdir /tmp/ref --out $OUT

@@ -1,4 +1,5 @@
-"""Every command of train_plan_v4.md and README.md runs through the real argument parsers.
+"""Every command of train_plan_v4.md, README.md and BENCHMARKS.md runs through the real
+argument parsers.
 
 Shell code blocks are split into commands (line continuations joined, comments, redirections
 and pipes cut, `VAR=value` prefixes kept aside). Our scripts (`python NN_*.py`, `python
@@ -34,7 +35,7 @@ from unittest import mock
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("train_plan_v4.md", "README.md")
+DOCS = ("train_plan_v4.md", "README.md", "BENCHMARKS.md")
 SGLANG_VERSION = "0.5.23"  # the release the plan's server commands are written for
 KIMI_TARGET = "/models/Kimi-K2.5"  # the plan's target folder; the tiny target stands in here
 # Modules whose main() has no parser and is harmless to run (prints a table).
