@@ -8,11 +8,12 @@ same machine):
        a few minutes) -> 01 -> 01b (hf, greedy regeneration) -> merge; 01 of the held-out prompts
     2  02b (hf, bf16 states) -> 03 -> 04 (checkpoint every epoch) -> 05 (hf, temperature 0,
        held-out prompts, chains of 3 and 7), alone on the GPU: the run's speed figures
-    3  evaluations side by side in subprocesses (reference/parallel.py) with the production
-       evaluator on the same held-out prompts: the final draft (bf16 states; chains 3 and 7),
-       the two controls and their detection by the preflight, 05 at temperature 1, the epochs;
-       meanwhile this process trains the fp8-state and the data-size drafts (02b + 03 + 04 on
-       the first 1/4 and 1/2 of the merged train split), each evaluated once trained
+    3  02b of the fp8-state and data-size runs (fp8 storage; the first 1/4 and 1/2 of the
+       merged train split); then evaluations side by side in subprocesses
+       (reference/parallel.py) with the production evaluator on the same held-out prompts: the
+       final draft (bf16 states; chains 3 and 7), the two controls and their detection by the
+       preflight, 05 at temperature 1, the epochs; meanwhile this process trains those drafts
+       (03 + 04), each evaluated once trained
 
 Every stage is the production script's own `main` (see reference/stages.py). Optional work is
 started only while the time budget (--deadline-s, counted from this command's start) allows;

@@ -225,15 +225,31 @@ class PhaseSteps:
     def size_counts(self) -> list[int]:
         return sorted({max(4, int(f * self.n_train())) for f in self.p.size_fractions})
 
+    def fp8_workdir(self) -> Path:
+        return linked_workdir(self.w / "fp8", {"01c_merged": self.main / "01c_merged",
+                                               "03_vocab": self.main / "03_vocab"})
+
+    def size_workdir(self, n: int) -> Path:
+        return subset_workdir(self.main, self.w / f"size_{n}", n)
+
+    def extract_fp8(self) -> None:
+        self.runner.run("02b fp8", "02b", self.fp8_workdir(), self.extract_args("fp8"))
+
+    def extract_size(self, n: int) -> None:
+        self.runner.run(f"02b size {n}", "02b", self.size_workdir(n), self.extract_args("bf16"))
+
+    def extract_estimate(self, samples: int) -> float:
+        """02b seconds for `samples` train samples, from the main run's rate."""
+        return 1.2 * self._wall("02b main (bf16)") * samples / max(1, self.n_train()) + 10
+
     def train_fp8(self) -> None:
-        fp8 = linked_workdir(self.w / "fp8", {"01c_merged": self.main / "01c_merged",
-                                              "03_vocab": self.main / "03_vocab"})
-        self.runner.run("02b fp8", "02b", fp8, self.extract_args("fp8"))
+        self.extract_fp8()  # a no-op when phase 3 extracted it first
+        fp8 = self.fp8_workdir()
         self.runner.run("04 fp8", "04", fp8, self.train_args(fp8))
 
     def train_size(self, n: int) -> None:
-        w = subset_workdir(self.main, self.w / f"size_{n}", n)
-        self.runner.run(f"02b size {n}", "02b", w, self.extract_args("bf16"))
+        self.extract_size(n)
+        w = self.size_workdir(n)
         self.runner.run(f"03 size {n}", "03", w, self.vocab_args())
         self.runner.run(f"04 size {n}", "04", w, self.train_args(w))
 
