@@ -286,7 +286,7 @@ def markdown(s: dict) -> str:
            "04's own per-epoch evaluation (simulated acceptance): "
            + ", ".join(f"step {m['step']}: {m['eval_sim_accept']:.2f}"
                        for m in s.get("epoch_metrics") or []), "",
-           "### Controls (must collapse, must be detected)", "", *_controls_md(s)]
+           "### Controls (meant to collapse; must be detected)", "", *_controls_md(s)]
     state = s.get("state") or {}
     notes = list(state.get("notes") or []) + [state[k] for k in ("eval_dtype_note",) if k in state]
     out += _parallel_md(state)
