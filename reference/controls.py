@@ -1,7 +1,8 @@
 """Negative controls of the reference benchmark: two serving mistakes meant to collapse
 acceptance, and the project checks that must catch each before any GPU time is spent. On the
 H200 reference target (BENCHMARKS.md) the first collapsed it to 1.00; the second, a shift by one
-layer, cost almost nothing (1.613 against 1.618): adjacent residual states are that alike.
+layer, cost almost nothing (1.613 against 1.618), presumably because adjacent residual
+states are that alike (not measured).
 
 1. The `EAGLE` vs `EAGLE3` mistake (PIPELINE.md): a server started with
    `--speculative-algorithm EAGLE` and an EAGLE-3 draft captures no aux states; the draft gets
