@@ -86,6 +86,29 @@ def shifted_layers(capture_layers: list[int], shift: int = 1) -> list[int]:
     return [layer + shift for layer in capture_layers]
 
 
+@torch.no_grad()
+def layer_similarity(model, prompts: list[list[int]], capture_layers: list[int],
+                     shift: int = 1) -> dict:
+    """How alike the states a draft was trained on and the shifted ones it is served are.
+
+    Over every position of `prompts` (one forward each), per capture layer l of transformers'
+    `hidden_states`: mean cosine similarity of h[l] and h[l + shift], and the relative change
+    ||h[l + shift] - h[l]|| / ||h[l]||. Explains how much the shifted-layers control can cost.
+    """
+    cos = {layer: [] for layer in capture_layers}
+    rel = {layer: [] for layer in capture_layers}
+    for prompt in prompts:
+        x = torch.tensor([prompt], device=model.device)
+        hs = model(input_ids=x, output_hidden_states=True).hidden_states
+        for layer in capture_layers:
+            a, b = hs[layer][0].float(), hs[layer + shift][0].float()
+            cos[layer] += torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()
+            rel[layer] += ((b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-12)).tolist()
+    return {str(layer): {"served": layer + shift, "mean_cosine": sum(cos[layer]) / len(cos[layer]),
+                         "mean_relative_change": sum(rel[layer]) / len(rel[layer]),
+                         "positions": len(cos[layer])} for layer in capture_layers}
+
+
 # ---------------------------------------------------------------- detection
 
 

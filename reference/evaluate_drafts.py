@@ -31,7 +31,8 @@ from eagle3.progress import progress
 from eagle3.records import read_jsonl
 from eagle3.stage import atomic_write_json
 from eagle3.target import load_embedding, load_hf_model, load_tokenizer
-from reference.controls import FinalStateProposer, final_state_layers, shifted_layers
+from reference.controls import (FinalStateProposer, final_state_layers, layer_similarity,
+                                shifted_layers)
 from reference.loop_share import loop_stats
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,11 @@ class DraftEvaluator:
         out = {**asdict(spec), "draft": str(spec.draft), "capture_layers": capture,
                "baseline_tok_s": base["tok_s"], "baseline_loop_share": base["loop"]["share"],
                "steps": {}}
+        if spec.control == "shifted_layers":
+            trained = list(proposer.draft.cfg.capture_layers)
+            out["layer_similarity"] = layer_similarity(
+                self.model, self.prompts[: spec.num_prompts], trained,
+                capture[0] - trained[0])
         for steps in spec.steps:
             out["steps"][str(steps)] = self._run_steps(spec, proposer, capture, steps, base)
         atomic_write_json(path, out)

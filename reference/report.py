@@ -254,6 +254,12 @@ def _controls_md(s: dict) -> list[str]:
         lines.append(f"| {name} | {_f(ev.get('acceptance_length'))} | "
                      f"{_f(ref.get('acceptance_length'))} | {det.get('collapsed', '–')} | "
                      f"{det.get('check', '–')} | {det.get('detected', '–')} |")
+    sim = (s["sweeps"].get("control_shifted_layers") or {}).get("layer_similarity")
+    if sim:
+        lines += ["", "Trained-on against served states of the shifted control (held-out prompts): "
+                  + "; ".join(f"layer {k} -> {v['served']}: cosine {v['mean_cosine']:.3f}, "
+                              f"relative change {v['mean_relative_change']:.3f}"
+                              for k, v in sim.items())]
     return lines + [""]
 
 

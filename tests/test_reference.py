@@ -210,6 +210,34 @@ def test_shifted_layers_serve_each_capture_one_layer_deeper():
     assert shifted_layers([2, 4, 5]) == [3, 5, 6]
 
 
+def test_layer_similarity_compares_the_inputs_of_adjacent_decoder_layers(target_model):
+    from reference.controls import layer_similarity
+
+    prompts = [[543, 82, 88, 431, 68], [76, 546, 12, 9]]
+    inputs = {}  # reference: what enters each decoder layer, caught by hooks
+    hooks = [layer.register_forward_pre_hook(
+        lambda mod, args, kwargs, i=i: inputs.setdefault(i, []).append(
+            (kwargs.get("hidden_states", args[0] if args else None))[0].detach()),
+        with_kwargs=True) for i, layer in enumerate(target_model.model.layers)]
+    try:
+        sim = layer_similarity(target_model, prompts, [1, 3])
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer in (1, 3):
+        a = torch.cat(inputs[layer]).double()
+        b = torch.cat(inputs[layer + 1]).double()
+        cos = ((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))).mean().item()
+        rel = ((b - a).norm(dim=-1) / a.norm(dim=-1)).mean().item()
+        got = sim[str(layer)]
+        assert got["served"] == layer + 1 and got["positions"] == 9
+        assert got["mean_cosine"] == pytest.approx(cos, abs=1e-5)
+        assert got["mean_relative_change"] == pytest.approx(rel, abs=1e-5)
+    same = layer_similarity(target_model, prompts, [2], shift=0)["2"]
+    assert same["mean_cosine"] == pytest.approx(1.0, abs=1e-5)
+    assert same["mean_relative_change"] == pytest.approx(0.0, abs=1e-6)
+
+
 @pytest.fixture(scope="module")
 def exported_draft(tmp_path_factory, target_model):
     from eagle3.export import export_sglang
@@ -407,6 +435,9 @@ def test_smoke_summary_reports_every_required_figure(smoke_run):
     assert [k for k in sweeps if k.startswith("ckpt_")]  # checkpoints before the final one
     assert sweeps["control_shifted_layers"]["capture_layers"] == shifted_layers(
         sweeps["main"]["capture_layers"])
+    sim = sweeps["control_shifted_layers"]["layer_similarity"]
+    assert [int(k) for k in sim] == sweeps["main"]["capture_layers"]
+    assert all(-1 <= v["mean_cosine"] <= 1 and v["positions"] > 0 for v in sim.values())
     for name in ("final_state", "shifted_layers"):
         assert s["controls"][name]["detected"] is True
     two = s["stages"]["02b main (bf16)"]["throughput"]
