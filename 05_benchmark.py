@@ -180,7 +180,9 @@ def run_hf(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> dict
         out[ps.name] = run_offline(model, draft, embed, ps, cfg.steps, cfg.max_new_tokens, eos,
                                    bar, cfg.temperature, cfg.seed)
         bar.close()
-    return {"temperature": cfg.temperature, "prompt_sets": out}
+    peak = (torch.cuda.max_memory_allocated(torch.device(cfg.device))
+            if torch.device(cfg.device).type == "cuda" else None)
+    return {"temperature": cfg.temperature, "prompt_sets": out, "peak_gpu_bytes": peak}
 
 
 def run_sglang(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> dict:

@@ -112,6 +112,10 @@ def collect(workdir: Path, profile: str) -> dict:
     stages = _read(res / "stages.json") or {}
     for record in stages.values():
         record["throughput"] = stage_throughput(record, Path(record["workdir"]))
+        if record.get("side_by_side") and record["stage"] == "05":
+            # the runner cannot see a subprocess's GPU memory; 05 (hf backend) reports its own
+            results = _read(Path(record["workdir"]) / "05_benchmark" / "results.json") or {}
+            record["peak_gpu_bytes"] = results.get("peak_gpu_bytes")
     target = (_read(w / "target" / "reference_target.json") or {}).get("summary")
     sweeps = {p.stem[len("eval_"):]: _strip_ids(_read(p))
               for p in sorted((res / "evals").glob("eval_*.json"))}
@@ -167,6 +171,13 @@ def _target_md(s: dict) -> list[str]:
             f"{_f(t.get('final_train_loss_ema'))}, held-out loss {_f(t.get('heldout_loss'))}.", ""]
 
 
+def _side_by_side(record: dict) -> bool:
+    """A stage run as a subprocess beside the phase-3 evaluations (older summaries say so only
+    by a peak GPU memory the runner could not measure)."""
+    return bool(record.get("side_by_side")) or ("peak_gpu_bytes" in record
+                                                and record["peak_gpu_bytes"] is None)
+
+
 def _stages_md(s: dict) -> list[str]:
     lines = ["| step | wall s | rate | disk | bytes/token | peak GPU GiB |",
              "|---|---|---|---|---|---|"]
@@ -180,7 +191,7 @@ def _stages_md(s: dict) -> list[str]:
             rate += " (training loop {:,.0f})".format(th["loop_tok_s"])
         disk = (r.get("manifest") or {}).get("disk_bytes")
         peak = r.get("peak_gpu_bytes")
-        if peak is None:  # a subprocess beside the phase-3 evaluations
+        if _side_by_side(r):
             label += " (side by side)"
         lines.append(f"| {label} | {r['wall_s']:.1f} | {rate} | "
                      f"{human_bytes(disk) if disk else '–'} | "
@@ -205,8 +216,7 @@ def _bench_md(s: dict) -> list[str]:
                     f"{m['speedup']:.2f} | {_f(base_loop, '{:.3f}')} / "
                     f"{_f((m.get('loop') or {}).get('share'), '{:.3f}')} | "
                     f"{'n/a' if mism is None else ('yes' if mism == 0 else f'{mism} differ')} |")
-    if (s["bench"].get("t1") and (s["stages"].get("05 t1") or {}).get("peak_gpu_bytes", 0)
-            is None):
+    if s["bench"].get("t1") and _side_by_side(s["stages"].get("05 t1") or {}):
         lines += ["", "05 at temperature 1 ran in phase 3 beside the other evaluations: its tok/s "
                   "and speedup are slowed by them. The speed figures are those at temperature 0."]
     return lines + [""]

@@ -64,6 +64,7 @@ class StageRecord:
     wall_s: float = 0.0
     peak_gpu_bytes: int | None = 0  # None: ran in a subprocess, not measured
     manifest: dict = field(default_factory=dict)
+    side_by_side: bool = False  # a subprocess beside the phase-3 evaluations
 
 
 def _manifest_summary(m: dict | None) -> dict:
@@ -105,7 +106,7 @@ class StageRunner:
         command = " ".join(["python", SCRIPTS[stage], *argv[script + 1:]])
         self.records[label] = asdict(StageRecord(
             label, stage, str(workdir), command, rc, wall_s, None,
-            _manifest_summary(read_manifest(stage_dir))))
+            _manifest_summary(read_manifest(stage_dir)), side_by_side=True))
         atomic_write_json(self.path, self.records)
         return self.records[label]
 

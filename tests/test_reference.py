@@ -370,7 +370,9 @@ def test_smoke_run_completes_every_stage_and_copies_the_summary(smoke_run):
     # memory is not measured there, and the report says where it ran).
     (run,) = state["parallel"]["phase3_runs"]
     assert run["jobs"] >= 10 and run["eval_workers"] == 2
-    assert stages["05 t1"]["peak_gpu_bytes"] is None
+    assert stages["05 t1"]["peak_gpu_bytes"] is None and stages["05 t1"]["side_by_side"]
+    t1 = json.loads((workdir / "bench_t1" / "05_benchmark" / "results.json").read_text())
+    assert "peak_gpu_bytes" in t1 and t1["peak_gpu_bytes"] is None  # 05 reports it on CUDA
     assert stages["05 t1"]["command"].startswith("python 05_benchmark.py --workdir ")
     side = {k for k, d in state["done"].items() if d.get("side_by_side")}
     assert {"eval main", "controls", "05 t1", "eval fp8"} <= side
