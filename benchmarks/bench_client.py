@@ -106,7 +106,7 @@ async def run_bare_client(jobs, urls, concurrency) -> dict:
     async def worker(session, url):
         while (job := next(it, None)) is not None:
             await post_once(session, url + "/generate",
-                            {"input_ids": job.prompt_ids, "rid": job.id,
+                            {"input_ids": job.prompt_ids.tolist(), "rid": job.id,
                              "sampling_params": {"max_new_tokens": 64}}, 60, job.id)
 
     async with make_session(concurrency + 8) as session:
