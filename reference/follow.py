@@ -15,6 +15,7 @@ Exit status: the run's own when it has ended, 3 while it is still running.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -105,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(line for line in tail[-60:] if line.strip()), flush=True)
     out = cfg.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     if out and (cfg.workdir / "results").is_dir():
-        from reference.report import _read, write_report
+        from reference.report import write_report
         from reference.run_reference import copy_out
 
-        state = _read(cfg.workdir / "results" / "state.json") or {}
+        state_file = cfg.workdir / "results" / "state.json"
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
         write_report(cfg.workdir, state.get("profile", cfg.profile))
         copied = copy_out(cfg.workdir, out)
         if p["log"].exists():

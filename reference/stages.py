@@ -98,12 +98,12 @@ class StageRunner:
         return self._record(StageRecord(label, stage, str(workdir), command, rc, wall, peak,
                                         _manifest_summary(read_manifest(stage_dir))), ok_codes)
 
-    def record_external(self, label: str, stage: str, workdir: Path, argv: list[str], rc: int,
+    def record_external(self, label: str, stage: str, workdir: Path, args: list[str], rc: int,
                         wall_s: float) -> dict:
-        """Record a stage that ran as a subprocess (phase 3): its peak GPU memory is unknown."""
+        """Record a stage that ran as a subprocess (phase 3) with `args` (after the script):
+        its peak GPU memory is unknown here."""
         stage_dir = Path(workdir) / STAGE_DIRS[stage]
-        script = next((i for i, a in enumerate(argv) if a.endswith(SCRIPTS[stage])), 0)
-        command = " ".join(["python", SCRIPTS[stage], *argv[script + 1:]])
+        command = " ".join(["python", SCRIPTS[stage], *args])
         self.records[label] = asdict(StageRecord(
             label, stage, str(workdir), command, rc, wall_s, None,
             _manifest_summary(read_manifest(stage_dir)), side_by_side=True))
