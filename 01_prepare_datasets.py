@@ -24,13 +24,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.cli import arg, config_dict, parse_config, setup_logging
-from eagle3.prepare import RenderMismatch
-from eagle3.prepare_runner import RenderSettings, open_run, run_prepare
-from eagle3.progress import format_summary, human_bytes, human_seconds
-from eagle3.recipes import RecipeError, load_recipe
-from eagle3.sources import SourceError, describe, open_source
-from eagle3.stage import open_stage
+from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.prepare.rows import RenderMismatch
+from eagle3.prepare.runner import RenderSettings, open_run, run_prepare
+from eagle3.core.progress import format_summary, human_bytes, human_seconds
+from eagle3.prepare.recipes import RecipeError, load_recipe
+from eagle3.prepare.sources import SourceError, describe, open_source
+from eagle3.core.stage import open_stage
 
 STAGE = "01_prepared"
 

@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.chat import ChatRenderer, RenderError
-from eagle3.cli import arg, config_dict, parse_config, setup_logging
-from eagle3.generation import (
+from eagle3.core.chat import ChatRenderer, RenderError
+from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.generate.jobs import (
     HFGenerator,
     RecordSink,
     build_job,
@@ -42,13 +42,13 @@ from eagle3.generation import (
     run_generation,
     tokenize_kept,
 )
-from eagle3.generation_backends import OpenAIBackend, SGLangBackend
-from eagle3.generation_runner import Interrupted, RunnerConfig, connect, run_remote
-from eagle3.progress import format_summary, human_bytes, human_seconds, progress
-from eagle3.records import JsonlAppender, read_jsonl
-from eagle3.server import RetryPolicy, ServerError, ServerPool
-from eagle3.stage import Quarantine, atomic_write_json, open_stage, require_upstream
-from eagle3.target import load_hf_model, load_tokenizer
+from eagle3.generate.backends import OpenAIBackend, SGLangBackend
+from eagle3.generate.runner import Interrupted, RunnerConfig, connect, run_remote
+from eagle3.core.progress import format_summary, human_bytes, human_seconds, progress
+from eagle3.core.records import JsonlAppender, read_jsonl
+from eagle3.core.server import RetryPolicy, ServerError, ServerPool
+from eagle3.core.stage import Quarantine, atomic_write_json, open_stage, require_upstream
+from eagle3.core.target import load_hf_model, load_tokenizer
 
 STAGE = "01b_generated"
 UPSTREAM = "01_prepared"

@@ -7,7 +7,7 @@ states at the capture layers ([2, N//2, N-3]; [2, 30, 58] for Kimi-K2.5) and the
 post-norm state, bf16 or fp8 (`--dtype fp8`: e4m3 aux states with a per-token scale).
 
 Backends: `sglang` (default) sends every sample to a patched SGLang server (see
-`patches/README.md`; `eagle3/extract_sglang.py` for what is checked) and converts the dumps it
+`patches/README.md`; `eagle3/extract/sglang.py` for what is checked) and converts the dumps it
 writes; `hf` runs the target in-process with transformers (small targets, the demo, tests).
 Before the first request it checks the server's flags and that the disk holds the estimated
 output. Re-running resumes by record id; records that failed every attempt are listed in
@@ -17,7 +17,7 @@ output. Re-running resumes by record id; records that failed every attempt are l
 Tiny target (demo):
     python 02b_extract_hidden_states_sglang.py --workdir runs/demo --target runs/demo/target \\
         --backend hf
-Real run: patch SGLang (`python -m eagle3.patching`), start the dump server, then the client.
+Real run: patch SGLang (`python -m eagle3.extract.patching`), start the dump server, then the client.
 The dump directory in RAM (/dev/shm) saves writing every state to disk twice; it holds only the
 dumps in flight (checked at start).
     EAGLE3_DUMP_DIR=/dev/shm/eagle3-dump python -m sglang.launch_server \\
@@ -37,15 +37,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.cli import arg, config_dict, parse_config, setup_logging
-from eagle3.extract import SplitWriter, check_output_disk, extract_hf, make_verifier, summary_rows
-from eagle3.extract_sglang import Expected, SglangOptions, extract_sglang
-from eagle3.hidden_states import DTYPES, bytes_per_token
-from eagle3.progress import format_summary
-from eagle3.records import read_jsonl
-from eagle3.sglang_dump import DEFAULT_RID_PREFIX
-from eagle3.stage import open_stage, require_upstream
-from eagle3.target import default_capture_layers, load_hf_model, read_target_info
+from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.extract.writer import SplitWriter, check_output_disk, extract_hf, make_verifier, summary_rows
+from eagle3.extract.sglang import Expected, SglangOptions, extract_sglang
+from eagle3.core.hidden_states import DTYPES, bytes_per_token
+from eagle3.core.progress import format_summary
+from eagle3.core.records import read_jsonl
+from eagle3.extract.sglang_dump import DEFAULT_RID_PREFIX
+from eagle3.core.stage import open_stage, require_upstream
+from eagle3.core.target import default_capture_layers, load_hf_model, read_target_info
 
 STAGE = "02b_hidden_states"
 UPSTREAM = "01c_merged"

@@ -23,18 +23,18 @@ import time
 
 from safetensors.torch import load_file
 
-from eagle3 import distributed
-from eagle3.cli import config_dict, parse_config, setup_logging
-from eagle3.data import list_files, sample_lengths
-from eagle3.export import describe_layers, export_sglang, layer_ids_for
-from eagle3.progress import format_summary, human_seconds, progress
-from eagle3.speculators_export import export_speculators
-from eagle3.stage import open_stage, read_manifest, require_upstream
-from eagle3.target import load_embedding, load_lm_head, read_target_info
-from eagle3.train import (TrainConfig, TrainData, build_draft, build_draft_config,
+from eagle3.train import distributed
+from eagle3.core.cli import config_dict, parse_config, setup_logging
+from eagle3.train.data import list_files, sample_lengths
+from eagle3.draft.export import describe_layers, export_sglang, layer_ids_for
+from eagle3.core.progress import format_summary, human_seconds, progress
+from eagle3.draft.speculators import export_speculators
+from eagle3.core.stage import open_stage, read_manifest, require_upstream
+from eagle3.core.target import load_embedding, load_lm_head, read_target_info
+from eagle3.train.loop import (TrainConfig, TrainData, build_draft, build_draft_config,
                           build_runtime, train)
-from eagle3.train_log import plot_metrics
-from eagle3.vocab import hot_ids_from_d2t
+from eagle3.train.log import plot_metrics
+from eagle3.vocab.mapping import hot_ids_from_d2t
 
 STAGE = "04_train"
 

@@ -32,20 +32,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.benchmark import LoadSettings, combine, measure_server, run_offline
-from eagle3.benchmark_report import report_markdown, summary_rows, write_plots
-from eagle3.chat import ChatRenderer
-from eagle3.cli import arg, config_dict, parse_config, setup_logging
-from eagle3.launcher import LaunchedServer, sglang_command
-from eagle3.preflight import (PreflightError, check_baseline_server, check_draft_for_run,
+from eagle3.bench.run import LoadSettings, combine, measure_server, run_offline
+from eagle3.bench.report import report_markdown, summary_rows, write_plots
+from eagle3.core.chat import ChatRenderer
+from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.launcher import LaunchedServer, sglang_command
+from eagle3.bench.preflight import (PreflightError, check_baseline_server, check_draft_for_run,
                               check_server_pair, check_speculative_server, check_streaming,
                               raise_on_errors, read_draft_config)
-from eagle3.progress import format_summary, human_seconds, progress
-from eagle3.prompts import EVAL_SET, load_prompt_set
-from eagle3.records import JsonlAppender
-from eagle3.server import get_server_info
-from eagle3.stage import atomic_write_bytes, atomic_write_json, open_stage, require_upstream
-from eagle3.target import load_tokenizer
+from eagle3.core.progress import format_summary, human_seconds, progress
+from eagle3.bench.prompts import EVAL_SET, load_prompt_set
+from eagle3.core.records import JsonlAppender
+from eagle3.core.server import get_server_info
+from eagle3.core.stage import atomic_write_bytes, atomic_write_json, open_stage, require_upstream
+from eagle3.core.target import load_tokenizer
 
 STAGE = "05_benchmark"
 SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
@@ -166,8 +166,8 @@ async def _server_infos(urls: dict) -> dict:
 def run_hf(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> dict:
     import torch
 
-    from eagle3.export import load_draft
-    from eagle3.target import load_embedding, load_hf_model
+    from eagle3.draft.export import load_draft
+    from eagle3.core.target import load_embedding, load_hf_model
 
     dtype = getattr(torch, cfg.dtype)
     model = load_hf_model(cfg.target, cfg.dtype, cfg.device)

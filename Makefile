@@ -4,9 +4,10 @@ PY ?= python3
 
 .PHONY: install install-test demo test
 install: .installed
-.installed: requirements.txt
+.installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -e .   # eagle3/ and reference/ importable from every folder
 	touch .installed
 
 # speculators (vLLM export test) pins torch and datasets pins fsspec: install them without deps.

@@ -8,7 +8,7 @@ W=${1:-runs/demo}
 T=$W/target
 export PYTHONUNBUFFERED=1
 
-python -m eagle3.tiny_target --out "$T"
+python -m eagle3.tiny.target --out "$T"
 python 01_prepare_datasets.py --recipe datasets/demo.json --workdir "$W" --target "$T"
 python 01b_generate_synthetic.py --workdir "$W" --target "$T" --backend hf --max-new-tokens 48
 python datasets/merge_and_shuffle.py --workdir "$W" --eval-fraction 0.1
@@ -20,4 +20,4 @@ OMP_NUM_THREADS=1 python 04_train.py --workdir "$W" --target "$T" --epochs 6 --l
     --max-seq-len 512 --num-workers 1 --eval-every 100 --log-every 50
 python 05_benchmark.py --workdir "$W" --target "$T" --backend hf --steps 3 7 \
     --max-new-tokens 32 --num-prompts 8
-python -m eagle3.run_summary "$W"
+python -m eagle3.core.run_summary "$W"

@@ -26,13 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from eagle3.generation import GenerationJob, RecordSink  # noqa: E402
-from eagle3.generation_backends import SGLangBackend  # noqa: E402
-from eagle3.generation_runner import GenerationRun, RunnerConfig  # noqa: E402
-from eagle3.server import RetryPolicy, ServerPool, make_session, post_once  # noqa: E402
+from eagle3.generate.jobs import GenerationJob, RecordSink
+from eagle3.generate.backends import SGLangBackend
+from eagle3.generate.runner import GenerationRun, RunnerConfig
+from eagle3.core.server import RetryPolicy, ServerPool, make_session, post_once
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class _NoBar:

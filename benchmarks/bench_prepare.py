@@ -19,7 +19,6 @@ makes the per-process figure hold on a machine shared with other jobs.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shutil
@@ -30,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from reference.stages import script_module
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SHAPES = {"chat": 0.35, "reasoning": 0.25, "code": 0.15, "tools": 0.15, "agent": 0.10}
 DATASETS = {"bench_chat": ("chat", "code"), "bench_reasoning": ("reasoning",),
@@ -113,12 +113,12 @@ def write_inputs(n: int, out: Path, seed: int) -> Path:
 
 def make_target(kind: str, out: Path, corpus: Path) -> Path:
     """A folder with only tokenizer files: the tiny target's, or a 32K BPE trained here."""
-    from eagle3.tiny_target import TinyTargetConfig, build_tokenizer
+    from eagle3.tiny.target import TinyTargetConfig, build_tokenizer
 
     cfg = TinyTargetConfig()
     if kind == "bpe32k":
         cfg = TinyTargetConfig(bpe_vocab_size=32000)
-        import eagle3.tiny_target as tt
+        import eagle3.tiny.target as tt
 
         lines = corpus.read_text().splitlines()[:20000]
         tt._CORPUS = [json.dumps(json.loads(ln)["messages"]) for ln in lines]  # train text
@@ -130,7 +130,7 @@ def make_target(kind: str, out: Path, corpus: Path) -> Path:
 def run_stage(recipe: Path, target: Path, workdir: Path, workers: int) -> dict:
     """Run stage 01 from scratch; returns seconds, records and tokens."""
     shutil.rmtree(workdir, ignore_errors=True)
-    main = importlib.import_module("01_prepare_datasets").main
+    main = script_module("01").main
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     rc = main(["--recipe", str(recipe), "--target", str(target), "--workdir", str(workdir),
                "--num-workers", str(workers), "--log-level", "WARNING"])
@@ -145,9 +145,9 @@ def run_stage(recipe: Path, target: Path, workdir: Path, workers: int) -> dict:
 
 def raw_tokenizer(target: Path, workdir: Path) -> dict:
     """`tokenizer(text)` on every sample text the stage tokenized, timed alone."""
-    from eagle3.chat import ChatRenderer
-    from eagle3.records import read_jsonl
-    from eagle3.target import load_tokenizer
+    from eagle3.core.chat import ChatRenderer
+    from eagle3.core.records import read_jsonl
+    from eagle3.core.target import load_tokenizer
 
     tok = load_tokenizer(target)
     renderer = ChatRenderer(tok, {"thinking": True})

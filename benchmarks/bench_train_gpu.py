@@ -4,7 +4,7 @@
 Hidden 7168, 64 heads x 128, intermediate 18432, draft vocab 32000, target vocab 163840, TTT 7,
 one sequence of 4096 tokens per micro-step, synthetic weights and hidden states. Prints and
 writes to `$OUT/bench_train.json` (default ./bench_out): tokens/s per GPU, step time, peak
-memory, MFU (exact FLOPs, eagle3/flops.py), the share of the step in fwd+bwd / clip / optimizer,
+memory, MFU (exact FLOPs, eagle3/train/flops.py), the share of the step in fwd+bwd / clip / optimizer,
 host syncs per step, the data-wait share of the real loader (hidden-state files on local disk
 read by worker processes), and the DDP scaling on 2 GPUs (spawned through torchrun).
 
@@ -35,16 +35,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from eagle3 import distributed  # noqa: E402
-from eagle3 import hidden_states as hs  # noqa: E402
-from eagle3.data import DevicePrefetcher, PackedRows, make_loader  # noqa: E402
-from eagle3.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
-from eagle3.flops import micro_step_flops  # noqa: E402
-from eagle3.stage import atomic_torch_save  # noqa: E402
-from eagle3.ttt import TTTModel  # noqa: E402
+from eagle3.train import distributed
+from eagle3.core import hidden_states as hs
+from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.train.flops import micro_step_flops
+from eagle3.core.stage import atomic_torch_save
+from eagle3.train.ttt import TTTModel
+
+ROOT = Path(__file__).resolve().parent.parent
 
 H200_BF16_PEAK = 989e12  # dense bf16 spec; sustained power-capped GEMMs reach ~650-680e12
 KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,

@@ -24,14 +24,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/ sits one level up
-
-from eagle3.cli import arg, config_dict, parse_config, setup_logging  # noqa: E402
-from eagle3.merge import SourcePolicy, apply_policies, dedupe, format_stats_table  # noqa: E402
-from eagle3.merge import scan, split_and_shuffle, write_split  # noqa: E402
-from eagle3.progress import format_summary, human_bytes, human_seconds  # noqa: E402
-from eagle3.stage import Quarantine, atomic_write_json, open_stage, read_manifest  # noqa: E402
-from eagle3.stage import require_upstream  # noqa: E402
+from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.prepare.merge import SourcePolicy, apply_policies, dedupe, format_stats_table
+from eagle3.prepare.merge import scan, split_and_shuffle, write_split
+from eagle3.core.progress import format_summary, human_bytes, human_seconds
+from eagle3.core.stage import Quarantine, atomic_write_json, open_stage, read_manifest
+from eagle3.core.stage import require_upstream
 
 STAGE = "01c_merged"
 UPSTREAM = "01b_generated"

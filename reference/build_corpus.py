@@ -37,11 +37,9 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/ sits one level up
-
-from eagle3.cli import arg, config_dict, parse_config, setup_logging  # noqa: E402
-from eagle3.progress import format_summary  # noqa: E402
-from eagle3.stage import atomic_write_bytes, atomic_write_json  # noqa: E402
+from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.progress import format_summary
+from eagle3.core.stage import atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
 

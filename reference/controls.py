@@ -10,14 +10,14 @@ states are that alike (not measured).
    skips `fc` because the width already matches, and `d2t` is not applied, so draft-vocabulary
    ids are taken for target ids. `FinalStateProposer` does exactly that against the offline
    evaluator (the target is asked for its final, post-norm state as the "aux" state).
-   Caught by: `eagle3.preflight.check_speculative_server` (algorithm EAGLE with an EAGLE-3
+   Caught by: `eagle3.bench.preflight.check_speculative_server` (algorithm EAGLE with an EAGLE-3
    draft). `check_draft`'s fc-width check catches the related mistake of a draft *trained* on
    the final state only (fc `[H, H]`), not this one: the draft folder itself is correct.
 2. Aux layers shifted by one: the draft is served the captures one layer deeper than those it
    was trained on, which is what SGLang 0.5.4.post2-0.5.12 does with a config that writes the
    capture indices themselves (`[2, N//2, N-3]`) as `eagle_aux_hidden_state_layer_ids`.
    Evaluated with the trained draft on captures `[l + 1 for l in capture_layers]`.
-   Caught by: `eagle3.preflight.check_draft(..., expected_captures=<02b capture layers>)` on a
+   Caught by: `eagle3.bench.preflight.check_draft(..., expected_captures=<02b capture layers>)` on a
    draft folder whose config names the shifted layers.
 
 Shapes: N positions, H target hidden (= draft hidden here), K aux width.
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle3.evaluate import Eagle3Proposer
-from eagle3.preflight import (PreflightError, check_draft, check_speculative_server,
+from eagle3.bench.evaluate import Eagle3Proposer
+from eagle3.bench.preflight import (PreflightError, check_draft, check_speculative_server,
                               raise_on_errors, read_draft_config)
 
 CONTROLS = ("final_state", "shifted_layers")
@@ -135,7 +135,7 @@ def detect_eagle_mistake(draft_dir: Path) -> dict:
     wrong = _outcome(check_speculative_server(flags, config, draft_dir))
     right = _outcome(check_speculative_server({**flags, "speculative_algorithm": "EAGLE3"},
                                               config, draft_dir))
-    return {"check": "eagle3.preflight.check_speculative_server", "wrong": wrong,
+    return {"check": "eagle3.bench.preflight.check_speculative_server", "wrong": wrong,
             "correct_passes": not right["detected"],
             "detected": wrong["detected"] and not right["detected"]}
 
@@ -162,7 +162,7 @@ def detect_shifted_layers(draft_dir: Path, capture_layers: list[int], target_hid
               "expected_captures": list(capture_layers)}
     wrong = _outcome(check_draft(shifted, **kwargs))
     right = _outcome(check_draft(draft_dir, **kwargs))
-    return {"check": "eagle3.preflight.check_draft(expected_captures=02b capture layers)",
+    return {"check": "eagle3.bench.preflight.check_draft(expected_captures=02b capture layers)",
             "wrong": wrong, "correct_passes": not right["detected"],
             "correct_errors": right["errors"],
             "detected": wrong["detected"] and not right["detected"]}

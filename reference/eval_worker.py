@@ -19,9 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/, reference/
-
-from eagle3.cli import arg, parse_config, setup_logging  # noqa: E402
+from eagle3.core.cli import arg, parse_config, setup_logging
 
 
 @dataclass
@@ -41,9 +39,9 @@ class EvalWorkerConfig:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from eagle3.chat import ChatRenderer
-    from eagle3.prompts import load_prompt_set
-    from eagle3.target import load_tokenizer
+    from eagle3.core.chat import ChatRenderer
+    from eagle3.bench.prompts import load_prompt_set
+    from eagle3.core.target import load_tokenizer
     from reference.evaluate_drafts import DraftEvaluator, EvalSpec
 
     cfg = parse_config(EvalWorkerConfig, argv, __doc__)

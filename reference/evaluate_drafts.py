@@ -3,7 +3,7 @@
 Stage 05 measures one draft per run and decodes the plain baseline every time; the sweeps of the
 reference benchmark (data sizes, epochs, bf16 vs fp8 states, the controls) compare a dozen drafts
 on the same prompts, so this module loads the target once, decodes each baseline once (cached on
-disk) and runs `eagle3.evaluate.speculative_decode` -- the code 05 runs -- for every draft.
+disk) and runs `eagle3.bench.evaluate.speculative_decode` -- the code 05 runs -- for every draft.
 Every result is one JSON file under the cache folder, so an interrupted sweep resumes.
 
 Results per draft and step count: acceptance length (committed tokens / verify passes),
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from eagle3.benchmark import per_position_rates
-from eagle3.chat import ChatRenderer
-from eagle3.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
+from eagle3.bench.run import per_position_rates
+from eagle3.core.chat import ChatRenderer
+from eagle3.bench.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
                              speculative_decode)
-from eagle3.export import load_draft
-from eagle3.progress import progress
-from eagle3.records import read_jsonl
-from eagle3.stage import atomic_write_json
-from eagle3.target import load_embedding, load_hf_model, load_tokenizer
+from eagle3.draft.export import load_draft
+from eagle3.core.progress import progress
+from eagle3.core.records import read_jsonl
+from eagle3.core.stage import atomic_write_json
+from eagle3.core.target import load_embedding, load_hf_model, load_tokenizer
 from reference.controls import (FinalStateProposer, final_state_layers, layer_similarity,
                                 shifted_layers)
 from reference.loop_share import loop_stats
@@ -162,7 +162,7 @@ class DraftEvaluator:
 def probe_seconds_per_token(target: Path, prompts_jsonl: Path, workdir: Path, device: str,
                             dtype: str, tokens: int = 24, warmup: int = 4) -> float:
     """Seconds per token of plain batch-1 decoding of the target (the first held-out prompt)."""
-    from eagle3.prompts import load_prompt_set
+    from eagle3.bench.prompts import load_prompt_set
 
     model = load_hf_model(target, dtype, device)
     renderer = ChatRenderer(load_tokenizer(target))

@@ -24,9 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/, reference/
-
-from eagle3.cli import arg, parse_config, setup_logging  # noqa: E402
+from eagle3.core.cli import arg, parse_config, setup_logging
 
 STILL_RUNNING = 3
 

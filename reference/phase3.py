@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from eagle3.stage import atomic_write_json, read_manifest
+from eagle3.core.stage import atomic_write_json, read_manifest
 from reference.parallel import JobPool
 from reference.stages import ROOT, SCRIPTS, STAGE_DIRS, export_checkpoint
 
@@ -176,7 +176,7 @@ def intermediate_steps(root: Path) -> list[int]:
     """Steps of 04's complete checkpoints before the last (the final draft), leaving out those
     within 5% of it (a checkpoint a few steps before the end says nothing the final one does
     not)."""
-    from eagle3.checkpoint import complete_steps
+    from eagle3.train.checkpoint import complete_steps
 
     steps = complete_steps(root)
     return [s for s in steps[:-1] if s < 0.95 * steps[-1]]
@@ -185,7 +185,7 @@ def intermediate_steps(root: Path) -> list[int]:
 def run_controls(s, results: list[dict]) -> None:
     """From the evaluations of the correct draft and the two controls on the same prompts
     (in CONTROL_SPECS order): did each collapse, and does the project's check catch it."""
-    from eagle3.target import read_target_info
+    from eagle3.core.target import read_target_info
     from reference.controls import detect_eagle_mistake, detect_shifted_layers
 
     ref, *controls = results

@@ -14,9 +14,9 @@ import platform
 import sys
 from pathlib import Path
 
-from eagle3.progress import human_bytes
-from eagle3.records import read_jsonl
-from eagle3.stage import atomic_write_bytes, atomic_write_json
+from eagle3.core.progress import human_bytes
+from eagle3.core.records import read_jsonl
+from eagle3.core.stage import atomic_write_bytes, atomic_write_json
 
 GiB = 2**30
 
@@ -330,6 +330,5 @@ def write_report(workdir: Path, profile: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     state = _read(Path(sys.argv[1]) / "results" / "state.json") or {}
     write_report(Path(sys.argv[1]), state.get("profile", "?"))

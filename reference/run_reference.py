@@ -46,14 +46,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/, reference/
-
-from eagle3.cli import arg, config_dict, parse_config, setup_logging  # noqa: E402
-from eagle3.progress import format_summary, human_seconds  # noqa: E402
-from eagle3.stage import atomic_write_json  # noqa: E402
-from reference.report import write_report  # noqa: E402
-from reference.stages import StageRunner  # noqa: E402
-from reference.steps import PhaseSteps  # noqa: E402
+from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.progress import format_summary, human_seconds
+from eagle3.core.stage import atomic_write_json
+from reference.report import write_report
+from reference.stages import StageRunner
+from reference.steps import PhaseSteps
 
 log = logging.getLogger("reference")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.stage import MANIFEST, atomic_write_json, read_manifest
+from eagle3.core.stage import MANIFEST, atomic_write_json, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -199,12 +199,12 @@ def subset_workdir(source: Path, workdir: Path, num_train: int) -> Path:
 
 def export_checkpoint(step_dir: Path, draft_config: dict, out_dir: Path) -> Path:
     """Export a 04 step checkpoint (`state.pt`) as an SGLang draft folder."""
-    from eagle3.draft_model import DraftConfig, Eagle3Draft
-    from eagle3.export import export_sglang
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    from eagle3.draft.export import export_sglang
 
     if (Path(out_dir) / "model.safetensors").exists():
         return Path(out_dir)
-    # weights_only=False: our own checkpoint, holding RNG states (as eagle3.checkpoint loads it).
+    # weights_only=False: our own checkpoint, holding RNG states (as eagle3.train.checkpoint loads it).
     state = torch.load(Path(step_dir) / "state.pt", map_location="cpu", weights_only=False)
     fields = DraftConfig.__dataclass_fields__
     draft = Eagle3Draft(DraftConfig(**{k: v for k, v in draft_config.items() if k in fields}))

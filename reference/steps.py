@@ -24,8 +24,8 @@ import logging
 import time
 from pathlib import Path
 
-from eagle3.records import count_jsonl
-from eagle3.stage import atomic_write_json, read_manifest
+from eagle3.core.records import count_jsonl
+from eagle3.core.stage import atomic_write_json, read_manifest
 from reference import build_corpus, train_target
 from reference.stages import StageRunner, linked_workdir, subset_workdir
 
@@ -178,7 +178,7 @@ class PhaseSteps:
         04 packs many short samples per row nearly full, so this is at most the true count; the
         checkpoint taken at k times it is labelled with its real step (and epoch share) later.
         """
-        from eagle3.records import read_jsonl
+        from eagle3.core.records import read_jsonl
 
         tokens = sum(min(r["seq_len"], self.p.train_max_seq_len)
                      for r in read_jsonl(Path(workdir) / "01c_merged" / "train.jsonl"))

@@ -2,7 +2,7 @@
 """Reference target: a BPE tokenizer and a DeepSeek-V3 model (MLA + MoE) trained on the corpus.
 
 The tokenizer is a byte-level BPE learned from the train files of the corpus, with the project's
-Kimi-style special tokens and chat template (`eagle3.tiny_target`). The model is a
+Kimi-style special tokens and chat template (`eagle3.tiny.target`). The model is a
 `DeepseekV3ForCausalLM` trained from scratch on the train samples rendered with that template
 (so it learns the role headers, `<think></think>` and to close its replies with `<|im_end|>`):
 packed sequences, AdamW with fp32 master weights, bf16 autocast on CUDA, warmup then cosine
@@ -33,12 +33,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3/ sits one level up
-
-from eagle3.cli import arg, config_dict, parse_config, setup_logging  # noqa: E402
-from eagle3.progress import format_summary, human_seconds  # noqa: E402
-from eagle3.records import read_jsonl  # noqa: E402
-from eagle3.tiny_target import CHAT_TEMPLATE, END_OF_TURN, SPECIAL_TOKENS  # noqa: E402
+from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.progress import format_summary, human_seconds
+from eagle3.core.records import read_jsonl
+from eagle3.tiny.target import CHAT_TEMPLATE, END_OF_TURN, SPECIAL_TOKENS
 
 log = logging.getLogger(__name__)
 MARKER = "reference_target.json"

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
-    from eagle3.tiny_target import make_tiny_target
+    from eagle3.tiny.target import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
 

@@ -39,7 +39,7 @@ FIXTURES = {
 
 def fixture_rows(name: str) -> list[dict]:
     """The rows of one fixture file, parsed."""
-    from eagle3.sources import LocalSource, parse_row
+    from eagle3.prepare.sources import LocalSource, parse_row
 
     src = LocalSource(FIXTURE_DIR / name)
     return [parse_row(payload)[0] for _, payload in src.rows(range(len(src)))]
@@ -47,7 +47,7 @@ def fixture_rows(name: str) -> list[dict]:
 
 def fixture_conversations(modes: tuple = ("keep",)) -> dict[str, list[dict]]:
     """{fixture file: its conversation records} for the fixtures of the given modes."""
-    from eagle3.conversations import to_conversation
+    from eagle3.prepare.conversations import to_conversation
 
     out = {}
     for name, (adapter, mode) in FIXTURES.items():
@@ -111,7 +111,7 @@ def build_qwen_like_tokenizer():
     """The tiny target's BPE with ChatML special tokens and the Qwen-like template."""
     from tokenizers import AddedToken
 
-    from eagle3.tiny_target import TinyTargetConfig, build_tokenizer
+    from eagle3.tiny.target import TinyTargetConfig, build_tokenizer
 
     tok = build_tokenizer(TinyTargetConfig())
     tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS})
@@ -128,7 +128,7 @@ def build_metaspace_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from eagle3.tiny_target import _CORPUS, CHAT_TEMPLATE, END_OF_TURN, SPECIAL_TOKENS
+    from eagle3.tiny.target import _CORPUS, CHAT_TEMPLATE, END_OF_TURN, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")

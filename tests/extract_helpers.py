@@ -8,8 +8,8 @@ import random
 import shutil
 from pathlib import Path
 
-from eagle3.records import JsonlAppender
-from eagle3.stage import open_stage
+from eagle3.core.records import JsonlAppender
+from eagle3.core.stage import open_stage
 
 STAGE = "02b_hidden_states"
 # Lengths around the fake server's chunk size (48) and up to five chunks; ids with characters a

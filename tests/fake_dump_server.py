@@ -4,7 +4,7 @@ It answers `/generate`, `/server_info` and `/model_info` like SGLang, and schedu
 SGLang does: each forward pass packs several requests up to a token budget, a prompt longer
 than `chunk_size` is prefilled over several passes (interleaved with other requests, each chunk
 at its prefix offset), and passes carry CUDA-graph padding rows. Every pass goes through the
-real `eagle3.sglang_dump.maybe_dump` with a fake `ForwardBatch`, so the dump files are the ones
+real `eagle3.extract.sglang_dump.maybe_dump` with a fake `ForwardBatch`, so the dump files are the ones
 the patched server writes. The states of a prompt are the tiny target's own transformers forward
 of that prompt alone: aux = `output_hidden_states[i]` at the capture indices, final = the
 post-norm last hidden state.
@@ -27,8 +27,8 @@ from types import SimpleNamespace
 import torch
 from aiohttp import web
 
-from eagle3 import hidden_states as hs
-from eagle3 import sglang_dump
+from eagle3.core import hidden_states as hs
+from eagle3.extract import sglang_dump
 
 
 class ForwardMode(enum.IntEnum):

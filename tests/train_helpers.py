@@ -14,17 +14,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from eagle3 import hidden_states as hs  # noqa: E402
-from eagle3.data import list_files, sample_lengths  # noqa: E402
-from eagle3.distributed import DistInfo  # noqa: E402
-from eagle3.draft_model import DraftConfig  # noqa: E402
-from eagle3.stage import atomic_torch_save  # noqa: E402
-from eagle3.train import (TrainConfig, TrainData, build_draft, build_runtime,  # noqa: E402
+from eagle3.core import hidden_states as hs
+from eagle3.train.data import list_files, sample_lengths
+from eagle3.train.distributed import DistInfo
+from eagle3.draft.model import DraftConfig
+from eagle3.core.stage import atomic_torch_save
+from eagle3.train.loop import (TrainConfig, TrainData, build_draft, build_runtime,
                           train)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 H, VT, VD = 16, 40, 24
 
@@ -98,7 +97,7 @@ def run_tiny(data_root: Path, out_dir: Path, dist: DistInfo | None = None,
 
 def ddp_worker(rank: int, world: int, data_root: str, out_dir: str, port: int) -> None:
     """One rank of a gloo DDP run (torch.multiprocessing.spawn target)."""
-    from eagle3 import distributed
+    from eagle3.train import distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     info = DistInfo(rank, world, rank)

@@ -7,7 +7,7 @@ few files below are unzipped into a cache laid out like an installed package:
     <cache>/sglang/<version>/sglang/srt/models/deepseek_v2.py        (and kimi_k25.py)
     <cache>/sglang/<version>/sglang/srt/model_executor/forward_batch_info.py
 
-so that `python -m eagle3.patching --sglang-dir <cache>/sglang/<version>` works on it. The cache
+so that `python -m eagle3.extract.patching --sglang-dir <cache>/sglang/<version>` works on it. The cache
 is `$EAGLE3_CACHE_DIR` or `~/.cache/eagle3`; a version folder appears only once complete, and a
 cached version is never fetched again.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3.stage import atomic_write_json
+from eagle3.core.stage import atomic_write_json
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",

@@ -1,0 +1,163 @@
+"""Stage 05 report: `report.md` tables and PNG plots from `results.json`.
+
+SGLang results: per prompt set, one row per concurrency level (acceptance length, speedup,
+tokens/s in total and per request, TTFT) and two plots, speedup and acceptance length against
+concurrency. Offline (hf) results: per prompt set, one row per chain length and a plot of the
+acceptance length against the chain length.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from eagle3.core.stage import atomic_write_bytes
+
+MEASURED = """How these figures are measured (our own requests only): total tok/s = sum of
+completion_tokens / wall time of the level; per-request tok/s = mean of completion_tokens /
+client latency; TTFT = client time to the first streamed chunk carrying a token; acceptance
+length = sum(completion_tokens) / sum(spec_verify_ct); speedup = speculative total tok/s /
+baseline total tok/s at the same concurrency. Each level sends max(prompts, 2 x concurrency)
+requests, prompts cycled."""
+
+
+def _f(x, fmt: str = ".2f", scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, fmt)
+
+
+def _speedup(x) -> str:
+    """Speedups below 1 are flagged: the draft makes serving slower."""
+    return "-" if x is None else (f"**{x:.2f} (slower)**" if x < 1 else f"{x:.2f}")
+
+
+def report_markdown(results: dict) -> str:
+    """report.md for either backend."""
+    if results.get("backend") == "sglang":
+        return _sglang_markdown(results)
+    return _offline_markdown(results)
+
+
+def _header(results: dict, title: str) -> list[str]:
+    lines = [f"# {title}", "", f"- draft: `{results.get('draft')}`"]
+    if results.get("layers"):
+        lines.append(f"- layers: {results['layers']}")
+    for p in results.get("preflight", []):
+        lines.append(f"- preflight {p}")
+    return lines
+
+
+def _sglang_markdown(results: dict) -> str:
+    lines = _header(results, "05 benchmark (SGLang)")
+    for role, info in results.get("servers", {}).items():
+        lines.append(f"- {role} server: {info.get('url')} (SGLang {info.get('version')}, "
+                     f"{info.get('speculative') or 'no draft'})")
+        if info.get("layers"):
+            lines.append(f"- served draft reads: {info['layers']}")
+    lines += [f"- sampling: {results.get('sampling_params')}, streaming: "
+              f"{results.get('stream')}", ""]
+    for name, levels in results["prompt_sets"].items():
+        lines += [f"## {name} ({results.get('prompts', {}).get(name, '?')} prompts)", "",
+                  "| concurrency | acceptance length | speedup | spec tok/s | baseline tok/s | "
+                  "spec tok/s per request | baseline tok/s per request | TTFT spec / baseline "
+                  "(ms) |", "|---|---|---|---|---|---|---|---|"]
+        for c, row in levels.items():
+            s, b = row["speculative"], row["baseline"] or {}
+            lines.append(
+                f"| {c} | {_f(s['acceptance_length'], '.3f')} | {_speedup(row['speedup'])} | "
+                f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
+                f"{_f(s['per_request_tok_s'], '.1f')} | {_f(b.get('per_request_tok_s'), '.1f')} | "
+                f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)} |")
+        lines.append("")
+    lines += [MEASURED, ""]
+    return "\n".join(lines)
+
+
+def _offline_markdown(results: dict) -> str:
+    lines = _header(results, "05 benchmark (offline, hf backend)")
+    lines += ["", "| prompt set | temperature | steps | acceptance length | per-position acceptance"
+              " | spec tok/s | baseline tok/s | speedup | lossless |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results["prompt_sets"].items():
+        for s, m in r["steps"].items():
+            rates = ", ".join(f"{x:.2f}" for x in m["per_position_acceptance"])
+            mism = m["lossless_mismatches"]
+            lossless = "n/a (sampling)" if mism is None else ("yes" if mism == 0 else "NO")
+            lines.append(f"| {name} | {r.get('temperature', 0.0)} | {s} | "
+                         f"{m['acceptance_length']:.3f} | {rates} | {m['tok_s']:.1f} | "
+                         f"{r['baseline_tok_s']:.1f} | {m['speedup']:.2f} | {lossless} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_rows(results: dict) -> tuple[dict, dict, bool]:
+    """(manifest outputs, rows of the closing summary, lossless) of the results."""
+    outputs, rows, ok = {}, {}, True
+    for name, r in results["prompt_sets"].items():
+        if results["backend"] == "hf":
+            for s, m in r["steps"].items():
+                outputs.setdefault(s, m["acceptance_length"])
+                ok &= not m["lossless_mismatches"]
+                lossless = ("n/a (sampling)" if m["lossless_mismatches"] is None
+                            else m["lossless_mismatches"] == 0)
+                rows[f"{name} steps {s}: acceptance length"] = (
+                    f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), lossless: {lossless}")
+            continue
+        for c, row in r.items():
+            acc = row["speculative"]["acceptance_length"]
+            outputs[f"{name} c={c}"] = acc or 0.0
+            slower = " (SLOWER than no draft)" if (row["speedup"] or 0) < 1 else ""
+            rows[f"{name} c={c}"] = (f"acceptance {acc or 0:.3f}, speedup "
+                                     f"{row['speedup'] or 0:.2f}x{slower}")
+    return outputs, rows, ok
+
+
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    """PNG plots next to report.md; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    paths = []
+    if results.get("backend") == "sglang":
+        panels = [("speedup", "speedup over no draft", "speedup_vs_concurrency.png", 1.0),
+                  ("acceptance_length", "acceptance length", "acceptance_vs_concurrency.png",
+                   None)]
+        for key, label, fname, ref in panels:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for name, levels in results["prompt_sets"].items():
+                xs = [int(c) for c in levels]
+                ys = [levels[c]["speedup"] if key == "speedup"
+                      else levels[c]["speculative"]["acceptance_length"] for c in levels]
+                ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o",
+                        label=name)
+            if ref is not None:
+                ax.axhline(ref, color="gray", linestyle="--", linewidth=1)
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="concurrency (requests in flight)", ylabel=label,
+                   title=f"{label} vs concurrency")
+            ax.legend()
+            paths.append(_save(fig, out_dir / fname))
+    else:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, r in results["prompt_sets"].items():
+            steps = [int(s) for s in r["steps"]]
+            ax.plot(steps, [r["steps"][str(s)]["acceptance_length"] for s in steps], marker="o",
+                    label=name)
+        ax.plot(steps, [s + 1 for s in steps], color="gray", linestyle="--", label="ceiling")
+        ax.set(xlabel="draft steps (chain length)", ylabel="acceptance length",
+               title="acceptance length vs chain length")
+        ax.legend()
+        paths.append(_save(fig, out_dir / "acceptance_vs_steps.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return path

@@ -1,0 +1,60 @@
+"""The table a pipeline run ends with: one row per stage, read from the stage manifests.
+
+    python -m eagle3.core.run_summary runs/demo
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from eagle3.core.progress import human_bytes
+from eagle3.core.stage import read_manifest
+
+STAGES = ("01_prepared", "01b_generated", "01c_merged", "02b_hidden_states", "03_vocab",
+          "04_train", "05_benchmark")
+
+
+def _outputs(stage: str, m: dict) -> str:
+    out = m.get("outputs", {})
+    if stage in ("01_prepared", "01b_generated"):
+        return ", ".join(f"{k}: {v['records']}" for k, v in out.get("datasets", {}).items())
+    if stage == "01c_merged":
+        return f"train {out.get('train')}, eval {out.get('eval')}"
+    if stage == "02b_hidden_states":
+        return ", ".join(f"{k}: {v['samples']}" for k, v in out.items())
+    if stage == "03_vocab":
+        return f"draft vocab {out.get('draft_vocab')}, coverage {out.get('coverage', 0):.3f}"
+    if stage == "04_train":
+        return f"{out.get('num_steps')} steps, eval sim-accept {out.get('eval_sim_accept', 0):.2f}"
+    if stage == "05_benchmark":
+        return ", ".join(f"acceptance length @{k} steps: {v:.3f}" for k, v in out.items())
+    return json.dumps(out)[:60]
+
+
+def summary_table(workdir: Path) -> str:
+    rows = [("stage", "complete", "seconds", "disk", "outputs")]
+    for stage in STAGES:
+        m = read_manifest(Path(workdir) / stage)
+        if m is None:
+            rows.append((stage, "no", "-", "-", "-"))
+            continue
+        rows.append((stage, "yes" if m.get("complete") else "no", f"{m.get('seconds', 0):.1f}",
+                     human_bytes(m.get("disk_bytes", 0)), _outputs(stage, m)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m eagle3.core.run_summary WORKDIR", file=sys.stderr)
+        return 2
+    print(summary_table(Path(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

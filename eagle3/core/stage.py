@@ -1,0 +1,227 @@
+"""Stage folders, manifests, atomic writes and quarantine files (PIPELINE.md, "Stages").
+
+Every stage writes into `<workdir>/<stage folder>/` and ends by writing `manifest.json` with
+`"complete": true`. A stage refuses an upstream folder without a complete manifest unless told
+`--allow-partial`; a complete stage re-run is a no-op unless `--force`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+class StageError(RuntimeError):
+    """A stage cannot run as asked; the message says which folder or flag and the fix."""
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+@contextmanager
+def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+    """A binary file whose content replaces `path` only if the block ends without error.
+
+    The streaming counterpart of `atomic_write_bytes` (temp file in the same folder, fsync,
+    rename), for outputs too large to hold in memory.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temp file in the same folder, fsync, then rename."""
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
+
+
+def atomic_save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    """`safetensors.torch.save_file` made atomic (no half-written or temp file left behind)."""
+    from safetensors.torch import save
+
+    atomic_write_bytes(path, save(tensors, metadata=metadata))
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """`torch.save` made atomic (temp file + rename)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+# ---------------------------------------------------------------- hashing and inputs
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def describe_input(path: Path) -> dict:
+    """Manifest entry for an input: a file (hash, lines) or a stage folder (its manifest hash)."""
+    path = Path(path)
+    if path.is_dir():
+        m = path / MANIFEST
+        return {"path": str(path), "manifest_sha256": file_sha256(m) if m.exists() else None}
+    entry = {"path": str(path), "sha256": file_sha256(path), "bytes": path.stat().st_size}
+    if path.suffix == ".jsonl":
+        from eagle3.core.records import count_jsonl
+
+        entry["records"] = count_jsonl(path)
+    return entry
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+# ---------------------------------------------------------------- stages
+
+
+def read_manifest(stage_dir: Path) -> dict | None:
+    m = Path(stage_dir) / MANIFEST
+    return json.loads(m.read_text()) if m.exists() else None
+
+
+def require_upstream(stage_dir: Path, allow_partial: bool = False) -> dict | None:
+    """The manifest of an upstream stage folder; refuses a missing or incomplete one."""
+    stage_dir = Path(stage_dir)
+    if not stage_dir.is_dir():
+        raise StageError(f"upstream folder {stage_dir} does not exist: run its stage first")
+    manifest = read_manifest(stage_dir)
+    if manifest is None or not manifest.get("complete"):
+        what = "has no manifest.json" if manifest is None else "is incomplete"
+        if not allow_partial:
+            raise StageError(
+                f"upstream folder {stage_dir} {what}: finish that stage (re-run its command) "
+                "or pass --allow-partial to use what is there"
+            )
+        log.warning("using partial upstream %s (%s) because of --allow-partial", stage_dir, what)
+    return manifest
+
+
+@dataclass
+class Stage:
+    """One run of one stage: its folder, arguments, and the manifest written at the end."""
+
+    name: str
+    dir: Path
+    args: dict
+    started: float = field(default_factory=time.time)
+    inputs: list = field(default_factory=list)
+
+    def add_input(self, path: Path) -> None:
+        self.inputs.append(describe_input(path))
+
+    def finish(self, outputs: dict, extra: dict | None = None) -> dict:
+        """Write the complete manifest; returns it."""
+        manifest = {
+            "stage": self.name,
+            "args": self.args,
+            "argv": sys.argv,
+            "inputs": self.inputs,
+            "outputs": outputs,
+            "started": _iso(self.started),
+            "finished": _iso(time.time()),
+            "seconds": round(time.time() - self.started, 2),
+            "disk_bytes": dir_bytes(self.dir),
+            "complete": True,
+        }
+        manifest.update(extra or {})
+        atomic_write_json(self.dir / MANIFEST, manifest)
+        return manifest
+
+
+def open_stage(workdir: Path, folder: str, args: dict, force: bool = False) -> Stage | None:
+    """Start a stage in `<workdir>/<folder>`; None when it is already complete (no-op).
+
+    A folder with an incomplete manifest (or none) is kept so the stage can resume from it;
+    `force` deletes the folder first.
+    """
+    stage_dir = Path(workdir) / folder
+    manifest = read_manifest(stage_dir)
+    if manifest and manifest.get("complete") and not force:
+        log.info("%s is already complete (%s); nothing to do. Pass --force to redo it.",
+                 stage_dir, manifest.get("finished"))
+        return None
+    if force and stage_dir.exists():
+        log.info("--force: removing %s", stage_dir)
+        shutil.rmtree(stage_dir)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    (stage_dir / MANIFEST).unlink(missing_ok=True)  # a resumed stage is incomplete until it ends
+    return Stage(name=folder, dir=stage_dir, args=_jsonable(args))
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
+
+
+def _jsonable(value: Any) -> Any:
+    """Paths to strings, recursively, so that a config dataclass goes into JSON."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+# ---------------------------------------------------------------- quarantine
+
+
+class Quarantine:
+    """Append-only JSONL of rejected records with the reason each was rejected."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.count = 0
+        self.reasons: dict[str, int] = {}
+        self._out = None
+
+    def add(self, record_id: str | None, reason: str, record: Any = None) -> None:
+        from eagle3.core.records import JsonlAppender
+
+        if self._out is None:
+            self._out = JsonlAppender(self.path)
+        kind = reason.split(":")[0]
+        self.reasons[kind] = self.reasons.get(kind, 0) + 1
+        self.count += 1
+        self._out.write({"id": record_id, "reason": reason, "record": record})
+        log.debug("quarantined %s: %s", record_id, reason)
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()

@@ -1,0 +1,392 @@
+"""Stage 02b with the `sglang` backend: a concurrent `/generate` client of a patched SGLang server.
+
+The server (patched by `python -m eagle3.extract.patching`, started with `EAGLE3_DUMP_DIR`) writes the
+states of every prefilled request whose rid starts with the rid prefix to
+`<dump_dir>/<rid>.pt` (format in `eagle3/extract/sglang_dump.py`) before it answers. For each record
+this client:
+
+1. sends `/generate` with the record's `input_ids`, `max_new_tokens: 1` and rid = prefix +
+   the record id percent-encoded (`+retryN` appended on a retry, so that a retry never reads
+   the file of an earlier attempt);
+2. checks the answer: `meta_info.cached_tokens == 0` (else the radix cache is on: fatal) and
+   `prompt_tokens == len(input_ids)`;
+3. waits for the dump file and checks it: its rid, `num_tokens == len(input_ids)`, capture
+   layers, and widths: aux `[T, 3H]` and final `[T, H]` with H from the target's config.json.
+   A wrong width or layer list is a wrong server or target and stops the run at once;
+4. splits the aux states into the three `[T, H]` captures, writes `data_<idx>.pt` (same bytes
+   as the `hf` backend would write from the same states) and deletes the dump file.
+
+Requests run concurrently (enough in flight to fill the server's prefill batches) on an event
+loop; loading, converting and saving run in a few threads. The first record goes alone, as a
+probe: if its dump never appears the server is not set up for dumping and the run stops with a
+checklist. A record that fails (missing, truncated or short dump, an HTTP error) is retried up
+to `max_attempts` times, then written with its reason to `<split>/failures.jsonl`; a re-run
+retries it. A server that stops answering (restart, crash) is waited for, its flags are checked
+again, and the requests in flight are re-sent without counting against their records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import shutil
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from eagle3.core import hidden_states as hs
+from eagle3.extract import sglang_dump
+from eagle3.extract.writer import (
+    FAILURES_FILE,
+    ExtractCounts,
+    ExtractError,
+    ExtractProgress,
+    FailureLog,
+    SplitWriter,
+    check_disk,
+    record_meta,
+)
+from eagle3.bench.preflight import check_dump_server, raise_on_errors
+from eagle3.core.progress import human_bytes
+from eagle3.core.server import RetryPolicy, ServerError, generate, get_json, get_server_info
+
+log = logging.getLogger(__name__)
+
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
+DUMP_BYTES_PER_TOKEN = 8  # x H: aux [T, 3H] + final [T, H], bf16
+SERVER_FLAGS_RECORDED = ("model_path", "tp_size", "disable_radix_cache", "chunked_prefill_size",
+                         "max_prefill_tokens", "enable_mixed_chunk", "cuda_graph_backend_prefill",
+                         "disable_piecewise_cuda_graph", "version")
+
+
+class SampleError(Exception):
+    """One record's attempt failed; str() is the reason, `kind: detail`."""
+
+
+@dataclass
+class SglangOptions:
+    """How the client talks to the dump server (the script's flags, resolved)."""
+
+    server_url: str
+    dump_dir: Path  # the server's EAGLE3_DUMP_DIR, as seen from this machine
+    rid_prefix: str = sglang_dump.DEFAULT_RID_PREFIX  # the server's EAGLE3_DUMP_RID_PREFIX
+    concurrency: int = 0  # requests in flight; 0 = from the server's prefill token budget
+    workers: int = 4  # threads loading dumps and writing files
+    max_attempts: int = 3  # attempts per record before it goes to failures.jsonl
+    max_failures: int = 100  # stop when more records than this failed (-1 = never)
+    dump_wait_s: float = 30.0  # how long a dump may lag behind its answer
+    server_wait_s: float = 1800.0  # how long to wait for a server that went down
+    poll_s: float = 5.0  # readiness polling while waiting for the server
+    # Per-request HTTP retries; a prefill-only request that takes 10 minutes is a hung server.
+    retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=600.0))
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What every dump must look like (from the target's config.json)."""
+
+    hidden_size: int
+    capture_layers: tuple[int, ...]
+    target: Path
+
+
+async def extract_sglang(opts: SglangOptions, expected: Expected, dtype: str,
+                         writers: dict[str, SplitWriter], verify_n: int = 0,
+                         verify: Callable | None = None) -> tuple[dict, dict]:
+    """Every split through the dump server; returns (outputs per split, manifest extras).
+
+    `verify(writer, idxs)`, when given, checks the first `verify_n` records of the first split
+    before the others are sent.
+    """
+    outputs, extra = {}, {}
+    async with SglangExtractor(opts, expected, dtype) as client:
+        info = await client.preflight(list(writers.values()))
+        for k, (split, writer) in enumerate(writers.items()):
+            prog = ExtractProgress(writer, f"02b {split}")
+            try:
+                counts, report = await client.run_split(writer, prog, verify_n if k == 0 else 0,
+                                                         verify)
+            finally:
+                prog.close()
+            outputs[split] = {"samples": len(writer.records), **asdict(counts)}
+            if report is not None:
+                extra["verify_against_hf"] = report
+        extra["server"] = {"url": client.url, "concurrency": client.concurrency,
+                           "restarts": client.restarts,
+                           "flags": {k: info.get(k) for k in SERVER_FLAGS_RECORDED}}
+    return outputs, extra
+
+
+def make_rid(prefix: str, record_id: str, attempt: int) -> str:
+    """The request id of a record's attempt: injective, file-system safe, readable."""
+    rid = prefix + urllib.parse.quote(record_id, safe="-_.")
+    return rid if attempt == 0 else f"{rid}+retry{attempt}"  # '+' is encoded in ids
+
+
+def auto_concurrency(info: dict, mean_tokens: float) -> int:
+    """Requests in flight to keep ~4 prefill batches of the server queued (8 to 256)."""
+    budget = max(info.get("max_prefill_tokens") or 16384, info.get("chunked_prefill_size") or 0)
+    return int(min(256, max(8, math.ceil(4 * budget / max(mean_tokens, 1.0)))))
+
+
+def check_answer(answer: dict, rid: str, num_tokens: int) -> None:
+    """The /generate answer of a dump request: whole prompt computed, nothing cached."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict):
+        raise SampleError(f"bad answer: no meta_info in {str(answer)[:300]}")
+    if meta.get("cached_tokens", 0):
+        raise ExtractError(f"request {rid}: the server reused {meta['cached_tokens']} cached "
+                           "tokens, whose states are not recomputed and so not dumped. Restart "
+                           "the dump server with --disable-radix-cache")
+    if meta.get("prompt_tokens") != num_tokens:
+        raise SampleError(f"prompt_tokens: the server saw {meta.get('prompt_tokens')} prompt "
+                          f"tokens, the record has {num_tokens} (truncated by the server?)")
+
+
+def check_dump(dump: dict, rid: str, num_tokens: int, expected: Expected, path: Path) -> None:
+    """A dump file's contract; wrong widths or layers are fatal, a short dump is not."""
+    aux, final = dump["aux_hidden_states"], dump["final_hidden_states"]
+    H, K = expected.hidden_size, len(expected.capture_layers)
+    if aux.shape[-1] != K * H or final.shape[-1] != H:
+        hint = (" (one capture: the server captures no aux layers, or another target)"
+                if aux.shape[-1] == H else "")
+        raise ExtractError(
+            f"{path}: aux states are {aux.shape[-1]} wide and the final state {final.shape[-1]}, "
+            f"but {expected.target}/config.json has hidden_size {H}, so {K} captures must be "
+            f"{K} x {H} = {K * H} wide{hint}. The server and --target must be the same model")
+    if list(dump["capture_layers"]) != list(expected.capture_layers):
+        raise ExtractError(f"{path}: the server captured layers {dump['capture_layers']}, "
+                           f"expected {list(expected.capture_layers)}; re-apply the patch "
+                           "(python -m eagle3.extract.patching) and pass matching --capture-layers")
+    if dump["rid"] != rid:
+        raise SampleError(f"wrong dump: {path} holds rid {dump['rid']!r}, expected {rid!r}")
+    if dump["num_tokens"] != num_tokens or aux.shape[0] != num_tokens != final.shape[0]:
+        raise SampleError(f"short dump: {path} holds {dump['num_tokens']} tokens "
+                          f"({aux.shape[0]}/{final.shape[0]} rows), the record {num_tokens}")
+
+
+def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str,
+                 out: Path) -> int:
+    """Load and check a dump, write the record's file, delete the dump; returns bytes written."""
+    try:
+        dump = sglang_dump.load_dump(path)
+    except Exception as e:  # a torn zip, a wrong pickle, a vanished file: all per-sample
+        raise SampleError(f"unreadable dump: {path}: {e!r}"[:500]) from e
+    check_dump(dump, rid, len(rec["input_ids"]), expected, path)
+    H = expected.hidden_size
+    aux = list(dump["aux_hidden_states"].split(H, dim=-1))
+    data = hs.pack(rec["input_ids"], rec["loss_mask"], aux, dump["final_hidden_states"],
+                   record_meta(rec, list(expected.capture_layers)), dtype)
+    nbytes = hs.save(data, out)
+    path.unlink(missing_ok=True)
+    return nbytes
+
+
+def clean_dump_dir(dump_dir: Path, rid_prefix: str) -> int:
+    """Delete dump files left by an earlier (killed) client; returns how many."""
+    name_prefix = urllib.parse.quote(rid_prefix, safe="-_.")
+    stale = [p for p in dump_dir.glob("*.pt") if p.name.startswith(name_prefix)]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return len(stale)
+
+
+def check_dump_dir(dump_dir: Path, pending_lengths: list[int], hidden_size: int,
+                   in_flight: int) -> None:
+    """The dump directory exists (the server made it) and holds the dumps in flight."""
+    if not dump_dir.is_dir():
+        raise ExtractError(
+            f"dump directory {dump_dir} does not exist: start the patched server with "
+            f"EAGLE3_DUMP_DIR={dump_dir} on this machine (it creates the directory at start) "
+            "and pass the same path to --dump-dir")
+    longest = sorted(pending_lengths, reverse=True)[:in_flight]
+    need = sum(longest) * DUMP_BYTES_PER_TOKEN * hidden_size
+    check_disk(dump_dir, need, 0.2,
+               f"{len(longest)} dumps in flight, the longest records, {sum(longest):,} tokens x "
+               f"{DUMP_BYTES_PER_TOKEN * hidden_size:,} B",
+               "Lower --concurrency or put EAGLE3_DUMP_DIR on a larger file system")
+
+
+class SglangExtractor:
+    """One client session: preflight, then `run_split` for each split."""
+
+    def __init__(self, opts: SglangOptions, expected: Expected, dtype: str):
+        self.opts, self.expected, self.dtype = opts, expected, dtype
+        self.url = opts.server_url.rstrip("/")
+        self.concurrency = opts.concurrency
+        self.restarts = 0
+        self._any_success = False
+
+    async def __aenter__(self) -> SglangExtractor:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.opts.workers, "02b-convert")
+        self._restart_lock = asyncio.Lock()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._session.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    async def preflight(self, writers: list[SplitWriter]) -> dict:
+        """Server flags and dump directory, before the first request; returns the server info."""
+        info = await get_server_info(self._session, self.url)
+        raise_on_errors(check_dump_server(info), f"dump server {self.url}")
+        lengths = [len(w.records[i]["input_ids"]) for w in writers for i in w.pending()]
+        if not self.concurrency:
+            self.concurrency = auto_concurrency(info, sum(lengths) / max(len(lengths), 1))
+            log.info("concurrency %d: ~4 prefill batches of %s tokens in flight",
+                     self.concurrency, info.get("max_prefill_tokens") or 16384)
+        self._slots = asyncio.Semaphore(self.concurrency)
+        check_dump_dir(self.opts.dump_dir, lengths, self.expected.hidden_size,
+                       self.concurrency + 2 * self.opts.workers)
+        stale = clean_dump_dir(self.opts.dump_dir, self.opts.rid_prefix)
+        if stale:
+            log.info("removed %d dump files left by an earlier client", stale)
+        return info
+
+    async def run_split(self, writer: SplitWriter, prog: ExtractProgress, verify_n: int = 0,
+                        verify: Callable | None = None) -> tuple[ExtractCounts, list | None]:
+        """Extract every record of the split still without a file; verify the first ones."""
+        failures = FailureLog(writer.root / FAILURES_FILE, self.opts.max_failures)
+        pending = writer.pending()
+        head = [i for i in pending if i < verify_n]
+        try:
+            await self._run(head, writer, prog, failures)
+            report = None
+            if verify is not None and verify_n:
+                idxs = [i for i in range(min(verify_n, len(writer.records))) if i in writer.done]
+                loop = asyncio.get_running_loop()
+                report = await loop.run_in_executor(None, verify, writer, idxs)
+            await self._run([i for i in pending if i >= verify_n], writer, prog, failures)
+        finally:
+            failures.close(writer)
+            counts = writer.close()
+        return counts, report
+
+    async def _run(self, idxs: list[int], writer: SplitWriter, prog: ExtractProgress,
+                   failures: FailureLog) -> None:
+        idxs = list(idxs)
+        while idxs and not self._any_success:  # the probe: one record at a time
+            await self._process(idxs.pop(0), writer, prog, failures, probe=True)
+        if not idxs:
+            return
+        queue = iter(idxs)
+
+        async def worker() -> None:
+            for idx in queue:  # one shared iterator: each record is taken once
+                await self._process(idx, writer, prog, failures)
+
+        # More tasks than request slots: the extra ones hold answered records whose dumps wait
+        # for a conversion thread, so the server never idles behind the client.
+        n_tasks = min(len(idxs), self.concurrency + 2 * self.opts.workers)
+        tasks = [asyncio.create_task(worker()) for _ in range(n_tasks)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:  # a fatal error stops every other request
+                    raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _process(self, idx: int, writer: SplitWriter, prog: ExtractProgress,
+                       failures: FailureLog, probe: bool = False) -> None:
+        rec = writer.records[idx]
+        reasons = []
+        for attempt in range(self.opts.max_attempts):
+            rid = make_rid(self.opts.rid_prefix, rec["id"], attempt)
+            dump = sglang_dump.dump_file_path(self.opts.dump_dir, rid)
+            dump.unlink(missing_ok=True)
+            try:
+                nbytes = await self._attempt(rid, dump, rec, writer.path(idx))
+            except SampleError as e:
+                reasons.append(str(e))
+                log.warning("record %s (attempt %d/%d): %s", rec["id"], attempt + 1,
+                            self.opts.max_attempts, e)
+                continue
+            finally:
+                dump.unlink(missing_ok=True)
+            self._any_success = True
+            writer.mark_written(idx, len(rec["input_ids"]), nbytes)
+            prog.advance(len(rec["input_ids"]), nbytes)
+            return
+        if probe and not self._any_success and reasons[-1].startswith("missing dump"):
+            raise ExtractError(self._no_dump_help(rec, reasons[-1]))
+        failures.add(idx, rec["id"], reasons)
+
+    async def _attempt(self, rid: str, dump: Path, rec: dict, out: Path) -> int:
+        ids = rec["input_ids"]
+        answer = await self._send(rid, ids)
+        check_answer(answer, rid, len(ids))
+        deadline = time.monotonic() + self.opts.dump_wait_s
+        delay = 0.005
+        while not dump.exists():  # written before the answer; a network file system may lag
+            if time.monotonic() > deadline:
+                free = shutil.disk_usage(self.opts.dump_dir).free
+                raise SampleError(f"missing dump: no {dump} {self.opts.dump_wait_s:.0f}s after "
+                                  f"the answer ({human_bytes(free)} free in the dump directory)")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, convert_dump, dump, rid, rec,
+                                          self.expected, self.dtype, out)
+
+    async def _send(self, rid: str, ids: list[int]) -> dict:
+        """/generate, riding out server restarts (which do not count against the record)."""
+        downs = 0
+        while True:
+            try:
+                async with self._slots:
+                    return await generate(self._session, self.url, ids, rid,
+                                          {"max_new_tokens": 1}, self.opts.retry)
+            except ServerError as e:
+                if await self._is_up():
+                    raise SampleError(f"server error: {e}"[:500]) from e
+                downs += 1
+                if downs > self.opts.max_attempts:
+                    raise SampleError(f"server down {downs} times during this request") from e
+                await self._wait_for_server()
+
+    async def _is_up(self) -> bool:
+        try:
+            await get_json(self._session, self.url, MODEL_INFO_PATHS, timeout_s=30.0)
+            return True
+        except ServerError:
+            return False
+
+    async def _wait_for_server(self) -> None:
+        async with self._restart_lock:  # one waiter logs and re-checks; the others then pass
+            if await self._is_up():
+                return
+            t0 = time.monotonic()
+            log.warning("server %s is not answering; waiting up to %.0fs for it to come back",
+                        self.url, self.opts.server_wait_s)
+            deadline = t0 + self.opts.server_wait_s
+            while not await self._is_up():
+                if time.monotonic() > deadline:
+                    raise ExtractError(f"server {self.url} did not come back within "
+                                       f"{self.opts.server_wait_s:.0f}s; restart it and re-run "
+                                       "this command (the stage resumes)")
+                await asyncio.sleep(self.opts.poll_s)
+            info = await get_server_info(self._session, self.url)
+            raise_on_errors(check_dump_server(info), f"restarted dump server {self.url}")
+            self.restarts += 1
+            log.warning("server %s is back after %.0fs; flags checked, re-sending", self.url,
+                        time.monotonic() - t0)
+
+    def _no_dump_help(self, rec: dict, reason: str) -> str:
+        return (
+            f"the first request (record {rec['id']}) produced no dump: {reason}. Check that the "
+            "server runs a patched SGLang (python -m eagle3.extract.patching --check); was started with "
+            f"EAGLE3_DUMP_DIR={self.opts.dump_dir} (--dump-dir, same machine) and "
+            f"EAGLE3_DUMP_RID_PREFIX unset or {self.opts.rid_prefix!r} (--rid-prefix); and runs "
+            "no prefill CUDA graph (--disable-piecewise-cuda-graph on SGLang <= 0.5.13, "
+            "--cuda-graph-backend-prefill disabled later). The server log says why a pass was "
+            "skipped (lines with 'eagle3 dump')")

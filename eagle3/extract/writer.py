@@ -1,0 +1,380 @@
+"""Stage 02b, shared by both backends: output folders, resume, disk preflight, progress; and the
+`hf` backend (hidden states from an in-process transformers target).
+
+Output of a split (PIPELINE.md): `<split>/shard_NNNNN/data_<idx>.pt`, idx = the record's line
+index in the merged split file, each file written atomically; `<split>/index.jsonl` logs
+`{idx, id, tokens, bytes}` once a file is on disk. Resume is by record id: every existing file
+must hold the record now at its index (checked through the log, or the file's own `meta.id`
+when the log lost its tail to a kill), otherwise the merged split changed under the folder and
+the stage refuses to mix the two.
+
+The `hf` backend runs fixed length-sorted batches (the same batches on every run, whatever was
+already written), so a resumed run writes the same bytes as an uninterrupted one. Batching
+changes float rounding (padding changes the shapes of the kernels), so the files of a batch size
+differ from those of another in the last bf16 bit; `max_batch_size=1` gives each record's own
+forward pass, which is what an SGLang server (or the tests' fake one) computes per request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3.core import hidden_states as hs
+from eagle3.core.progress import human_bytes, human_seconds, progress
+from eagle3.core.records import JsonlAppender, read_jsonl
+from eagle3.core.stage import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "index.jsonl"
+FAILURES_FILE = "failures.jsonl"
+
+
+class ExtractError(RuntimeError):
+    """The stage cannot go on; the message names the record, file or flag and the fix."""
+
+
+@dataclass
+class ExtractCounts:
+    written: int = 0  # files written by this run
+    skipped_existing: int = 0  # files found from an earlier run
+    failed: int = 0  # records without a file at the end (see failures.jsonl)
+    tokens: int = 0  # tokens in all files of the split
+    bytes: int = 0  # bytes of all files of the split
+    written_tokens: int = 0  # tokens in the files this run wrote
+    written_bytes: int = 0
+
+
+def record_meta(rec: dict, capture_layers: list[int]) -> dict:
+    """The `meta` of a record's file (the pack adds `dtype`); identical for both backends."""
+    return {"id": rec["id"], "capture_layers": list(capture_layers), "final": "post_norm",
+            "source": rec["source"]}
+
+
+class SplitWriter:
+    """One split's output folder: files by record index, resumed by record id, with counts."""
+
+    def __init__(self, root: Path, records: list[dict]):
+        self.root = Path(root)
+        self.records = records
+        _check_unique_ids(records, self.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        stale = hs.remove_temp_files(self.root)
+        if stale:
+            log.info("%s: removed %d temp files of a killed run", self.root, stale)
+        self.done = self._scan()  # idx -> {"idx", "id", "tokens", "bytes"}
+        self._index = JsonlAppender(self.root / INDEX_FILE)
+        for entry in self.done.values():
+            if entry.pop("unlogged", False):
+                self._index.write(entry)
+        self._index.flush()
+        self.counts = ExtractCounts(skipped_existing=len(self.done))
+
+    def path(self, idx: int) -> Path:
+        return hs.file_path(self.root, idx)
+
+    def pending(self) -> list[int]:
+        """Indices of the records without a file, ascending."""
+        return [i for i in range(len(self.records)) if i not in self.done]
+
+    def mark_written(self, idx: int, tokens: int, nbytes: int) -> None:
+        entry = {"idx": idx, "id": self.records[idx]["id"], "tokens": tokens, "bytes": nbytes}
+        self._index.write(entry)
+        self.done[idx] = entry
+        self.counts.written += 1
+        self.counts.written_tokens += tokens
+        self.counts.written_bytes += nbytes
+
+    def close(self) -> ExtractCounts:
+        """Flush the log; returns the counts with the totals of every file of the split."""
+        self._index.close()
+        c = self.counts
+        c.tokens = sum(e["tokens"] for e in self.done.values())
+        c.bytes = sum(e["bytes"] for e in self.done.values())
+        c.failed = len(self.records) - len(self.done)
+        return c
+
+    def _scan(self) -> dict[int, dict]:
+        files = {hs.file_index(p): p for p in self.root.glob("shard_*/data_*.pt")}
+        logged = {}
+        if (self.root / INDEX_FILE).exists():
+            logged = {e["idx"]: e for e in read_jsonl(self.root / INDEX_FILE)}
+        done = {}
+        for idx, path in sorted(files.items()):
+            if idx >= len(self.records):
+                self._refuse(path, "a record index past the end of the merged split")
+            entry = logged.get(idx)
+            if entry is None:  # written, then killed before the log line: read the file itself
+                data = hs.load(path, mmap=True)
+                entry = {"idx": idx, "id": data["meta"]["id"], "unlogged": True,
+                         "tokens": int(data["input_ids"].shape[0]),
+                         "bytes": path.stat().st_size}
+            if entry["id"] != self.records[idx]["id"]:
+                self._refuse(path, f"record {entry['id']!r}, but line {idx} of the merged "
+                                   f"split is {self.records[idx]['id']!r}")
+            done[idx] = entry
+        return done
+
+    def _refuse(self, path: Path, what: str) -> None:
+        raise ExtractError(f"{path} holds {what}: the merged split changed since this folder "
+                           "was written. Re-run with --force to extract it again")
+
+
+def _check_unique_ids(records: list[dict], root: Path) -> None:
+    seen: dict[str, int] = {}
+    for i, rec in enumerate(records):
+        if rec["id"] in seen:
+            raise ExtractError(f"record id {rec['id']!r} is on lines {seen[rec['id']]} and {i} "
+                               f"of the split written to {root}: ids must be unique (re-run the "
+                               "merge stage)")
+        seen[rec["id"]] = i
+
+
+class FailureLog:
+    """`<split>/failures.jsonl`: records that failed every attempt, with their reasons.
+
+    Rewritten whole at each failure (a handful of lines) and at the end, when records that now
+    have a file (a re-run retried them) are dropped; the file is removed when none is left.
+    """
+
+    def __init__(self, path: Path, max_failures: int):
+        self.path, self.max_failures = path, max_failures
+        self.entries: dict[int, dict] = {}  # from an earlier run too, until retried
+        if path.exists():
+            self.entries = {e["idx"]: e for e in read_jsonl(path)}
+        self.new = 0  # failures of this run
+
+    def add(self, idx: int, record_id: str, reasons: list[str]) -> None:
+        self.entries[idx] = {"idx": idx, "id": record_id, "reason": reasons[-1],
+                             "attempts": len(reasons), "reasons": reasons}
+        self.new += 1
+        log.error("record %s failed %d times, last: %s", record_id, len(reasons), reasons[-1])
+        self._write()
+        if 0 <= self.max_failures < self.new:
+            raise ExtractError(f"{self.new} records failed (more than --max-failures "
+                               f"{self.max_failures}); something systematic is wrong: see "
+                               f"{self.path}")
+
+    def close(self, writer: SplitWriter) -> None:
+        """Keep only records still without a file (a re-run may have fixed earlier ones)."""
+        for idx in [i for i in self.entries if i in writer.done]:
+            del self.entries[idx]
+        if not self.entries:
+            self.path.unlink(missing_ok=True)
+        else:
+            self._write()
+            log.error("%d records of %s failed; they are listed in %s and retried by a re-run",
+                      len(self.entries), writer.root.name, self.path)
+
+    def _write(self) -> None:
+        lines = "".join(json.dumps(e, ensure_ascii=False) + "\n"
+                        for _, e in sorted(self.entries.items()))
+        atomic_write_bytes(self.path, lines.encode())
+
+
+# ---------------------------------------------------------------- disk preflight
+
+
+def check_disk(path: Path, need_bytes: int, margin: float, detail: str, fix: str) -> None:
+    """Refuse, with the numbers, when `need_bytes` plus `margin` (a fraction) is not free."""
+    probe = Path(path)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    want = int(need_bytes * (1 + margin))
+    if want > free:
+        raise ExtractError(
+            f"not enough disk at {path}: need {human_bytes(need_bytes)} ({detail}) plus a "
+            f"{margin:.0%} margin = {human_bytes(want)}, but only {human_bytes(free)} is free. "
+            f"{fix}")
+    log.info("disk: %s needed (%s), %s free at %s", human_bytes(need_bytes), detail,
+             human_bytes(free), path)
+
+
+def check_output_disk(stage_dir: Path, writers: list[SplitWriter], hidden_size: int,
+                      dtype: str, margin: float) -> int:
+    """Preflight of the files still to write; returns the estimated bytes."""
+    tokens = sum(len(w.records[i]["input_ids"]) for w in writers for i in w.pending())
+    files = sum(len(w.pending()) for w in writers)
+    need = hs.estimate_bytes(tokens, files, hidden_size, dtype)
+    detail = (f"{tokens:,} tokens x {hs.bytes_per_token(hidden_size, dtype):,} bytes/token "
+              f"({dtype}) + {files:,} files x {hs.FILE_OVERHEAD_BYTES:,} B")
+    fix = "Free space or point --workdir at a larger disk"
+    if dtype == "bf16":
+        fp8 = hs.estimate_bytes(tokens, files, hidden_size, "fp8")
+        fix += f", or store fp8 (--dtype fp8: {human_bytes(fp8)})"
+    check_disk(stage_dir, need, margin, detail, fix)
+    return need
+
+
+# ---------------------------------------------------------------- progress
+
+
+class ExtractProgress:
+    """A bar over tokens (so the ETA weighs long samples right) with samples/s and GB written."""
+
+    def __init__(self, writer: SplitWriter, desc: str):
+        self.total_samples = len(writer.records)
+        self.samples = len(writer.done)
+        done_tokens = sum(e["tokens"] for e in writer.done.values())
+        self.bar = progress(total=sum(len(r["input_ids"]) for r in writer.records),
+                            desc=desc, unit="tok")
+        self.bar.unit_scale = True
+        self.bar.n = self.bar.last_print_n = self.bar.initial = done_tokens  # rate: this run
+        self.new_samples, self.new_bytes, self.t0 = 0, 0, time.time()
+        self._show()
+
+    def advance(self, tokens: int, nbytes: int) -> None:
+        self.samples += 1
+        self.new_samples += 1
+        self.new_bytes += nbytes
+        self._show(refresh=False)
+        self.bar.update(tokens)
+
+    def _show(self, refresh: bool = True) -> None:
+        rate = self.new_samples / max(time.time() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{self.samples}/{self.total_samples} samples ({rate:.1f}/s) "
+                                 f"| {self.new_bytes / 1e9:.2f} GB written", refresh=refresh)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def summary_rows(outputs: dict, seconds: float) -> dict:
+    """Rows of the stage's summary table from the per-split counts."""
+    rows = {}
+    for split, o in outputs.items():
+        rows[f"{split} samples (written / resumed / failed)"] = (
+            f"{o['samples']:,} ({o['written']:,} / {o['skipped_existing']:,} / {o['failed']:,})")
+    tokens = sum(o["tokens"] for o in outputs.values())
+    nbytes = sum(o["bytes"] for o in outputs.values())
+    new_tokens = sum(o["written_tokens"] for o in outputs.values())
+    new_samples = sum(o["written"] for o in outputs.values())
+    rows["tokens (all files)"] = f"{tokens:,}"
+    rows["bytes per token"] = f"{nbytes / max(tokens, 1):,.0f}"
+    rows["disk (all files)"] = human_bytes(nbytes)
+    rows["this run"] = (f"{new_samples / max(seconds, 1e-9):,.2f} samples/s, "
+                        f"{new_tokens / max(seconds, 1e-9):,.0f} tokens/s, "
+                        f"{human_bytes(sum(o['written_bytes'] for o in outputs.values()))} in "
+                        f"{human_seconds(seconds)}")
+    return rows
+
+
+# ---------------------------------------------------------------- hf backend
+
+
+def fixed_batches(lengths: list[int], max_tokens: int, max_batch: int) -> list[list[int]]:
+    """Record indices grouped into padded batches of at most `max_tokens` (longest first)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        width = max([lengths[j] for j in cur] + [lengths[i]])
+        if cur and (width * (len(cur) + 1) > max_tokens or len(cur) >= max_batch):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def extract_hf(model, writers: dict[str, SplitWriter], capture_layers: list[int], dtype: str,
+               max_tokens: int, max_batch: int) -> dict[str, dict]:
+    """Every split with the hf backend; returns the manifest outputs per split."""
+    outputs = {}
+    for split, writer in writers.items():
+        prog = ExtractProgress(writer, f"02b {split}")
+        counts = extract_split(model, writer, capture_layers, dtype, max_tokens, max_batch, prog)
+        prog.close()
+        outputs[split] = {"samples": len(writer.records), **asdict(counts)}
+    return outputs
+
+
+def extract_split(model, writer: SplitWriter, capture_layers: list[int], dtype: str,
+                  max_tokens: int, max_batch: int, prog: ExtractProgress) -> ExtractCounts:
+    """Write a file for every record of the split still without one; returns the counts."""
+    records, device = writer.records, model.device
+    for batch in fixed_batches([len(r["input_ids"]) for r in records], max_tokens, max_batch):
+        todo = [i for i in batch if i not in writer.done]
+        if not todo:
+            continue
+        width = max(len(records[i]["input_ids"]) for i in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for b, i in enumerate(batch):  # right padding: causal attention never sees it
+            n = len(records[i]["input_ids"])
+            ids[b, :n] = torch.tensor(records[i]["input_ids"])
+            attn[b, :n] = 1
+        # The whole fixed batch runs even when some files exist: same shapes, same bytes.
+        aux, final = hs.capture_hf(model, ids.to(device), attn.to(device), capture_layers)
+        for b, i in enumerate(batch):
+            if i not in todo:
+                continue
+            rec, n = records[i], len(records[i]["input_ids"])
+            data = hs.pack(rec["input_ids"], rec["loss_mask"], [a[b, :n].cpu() for a in aux],
+                           final[b, :n].cpu(), record_meta(rec, capture_layers), dtype)
+            writer.mark_written(i, n, hs.save(data, writer.path(i)))
+            prog.advance(n, writer.done[i]["bytes"])
+    return writer.close()
+
+
+# ---------------------------------------------------------------- verification against hf
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12))
+
+
+@torch.no_grad()
+def verify_against_hf(model, writer: SplitWriter, idxs: list[int], capture_layers: list[int],
+                      tolerance: float) -> list[dict]:
+    """Compare stored files with the record's own transformers forward; returns one row each.
+
+    The reference goes through the same storage (bf16 or fp8) as the file, so what remains is
+    the server's numerical noise. Each aux tensor must lie closest to its own capture index
+    among the neighbouring ones (a one-layer shift is caught however alike layers are) and
+    within `tolerance` relative L2 error; the final state within `tolerance` too.
+    """
+    rows, bad = [], []
+    for idx in idxs:
+        rec, data = writer.records[idx], hs.load(writer.path(idx))
+        dtype = "fp8" if data["meta"]["dtype"] == "fp8_e4m3" else "bf16"
+        out = model(input_ids=torch.tensor([rec["input_ids"]], device=model.device),
+                    output_hidden_states=True, use_cache=False).hidden_states
+        layer_inputs = [o[0].cpu() for o in out[:-1]]  # out[-1] is the post-norm final state
+        got_aux, got_final = hs.unpack(data, torch.float32)
+        row = {"idx": idx, "id": rec["id"], "aux_rel_err": [], "nearest_layer": [],
+               "final_rel_err": round(_rel_err(got_final, hs.stored_value(out[-1][0].cpu(),
+                                                                          "bf16")), 6)}
+        for k, layer in enumerate(capture_layers):
+            errs = {c: _rel_err(got_aux[k], hs.stored_value(layer_inputs[c], dtype))
+                    for c in (layer - 1, layer, layer + 1) if 0 <= c < len(layer_inputs)}
+            row["aux_rel_err"].append(round(errs[layer], 6))
+            row["nearest_layer"].append(min(errs, key=errs.get))
+        rows.append(row)
+        log.info("verify %s: aux rel err %s (nearest layers %s, expected %s), final %.2e",
+                 rec["id"], row["aux_rel_err"], row["nearest_layer"], capture_layers,
+                 row["final_rel_err"])
+        if (row["nearest_layer"] != list(capture_layers) or max(row["aux_rel_err"]) > tolerance
+                or row["final_rel_err"] > tolerance):
+            bad.append(row)
+    if bad:
+        raise ExtractError(
+            f"{len(bad)} of {len(rows)} verified samples differ from the transformers forward "
+            f"(tolerance {tolerance}): {bad[:3]}. Nearest layers other than {capture_layers} "
+            "mean the server captures other layers (see python -m eagle3.extract.patching --check); "
+            "a large final error means a pre-norm state or another model")
+    return rows
+
+
+def make_verifier(model, capture_layers: list[int], tolerance: float
+                  ) -> Callable[[SplitWriter, list[int]], list[dict]]:
+    return lambda writer, idxs: verify_against_hf(model, writer, idxs, capture_layers, tolerance)

@@ -1,0 +1,203 @@
+"""The two server backends of stage 01b: what each sends, and how an answer becomes a record.
+
+`sglang` (native `/generate`): we send the prompt ids our template code rendered, `rid` = the
+record id (a retry adds `~retryN`, so that a server still running an abandoned attempt does not
+see a duplicate id), greedy unless told otherwise, and the record keeps the exact `output_ids`
+the server produced. `meta_info.prompt_tokens` must equal the ids sent (a server that truncated
+the prompt would otherwise yield a record whose reply continues a prompt the target never saw).
+SGLang answers `meta_info.finish_reason` as a dict, `{"type": "stop", "matched": <id>}` or
+`{"type": "length", "length": n}`, or `{"type": "abort", "message": ...}` (retried).
+
+`openai` (`/v1/chat/completions`): we send the prompt messages and tools with the template
+kwargs as `chat_template_kwargs` (vLLM, SGLang and `transformers serve` accept them), keep the
+reply's `reasoning_content` (or `reasoning`) and `tool_calls`, and re-render the conversation
+with the target's template. The record is the serving prompt followed by the re-rendered reply;
+`usage.prompt_tokens` must equal our prompt's length (else the server's template differs). Where
+the re-rendered reply can differ from the tokens the server generated:
+- decoding drops special tokens the model emitted inside the text, and turns bytes of an
+  incomplete UTF-8 character into U+FFFD;
+- re-tokenizing text picks the tokenizer's canonical split, not necessarily the model's;
+- reasoning and tool-call parsers move text between fields, may strip whitespace, and
+  re-serialize tool arguments (key order, spacing);
+- a reply without reasoning is rendered with whatever the template puts there (the tiny
+  target's: an empty `<think></think>`), whether or not the model emitted it;
+- a reply cut by the length limit is rendered closed (`</think>` when cut inside reasoning, and
+  the end-of-turn token, which we remove again: the target did not produce it).
+Use `sglang` for training data whenever the server has `/generate`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from eagle3.core.chat import ChatRenderer
+from eagle3.generate.jobs import GenerationJob, generated_record
+from eagle3.core.server import RetryPolicy, ServerPool, TransientError, post_once, post_pool_once
+
+log = logging.getLogger(__name__)
+
+
+class RecordFailure(ValueError):
+    """An answer that cannot become a record (not retried); the message is the reason."""
+
+
+@dataclass
+class SGLangBackend:
+    """SGLang's native `/generate`, prompt ids in, exact output ids kept."""
+
+    pool: ServerPool
+    end_of_turn_id: int
+    policy: RetryPolicy
+    temperature: float = 0.0  # 0 = greedy
+    name: str = "sglang"
+    probe_path: str = "/model_info"  # any HTTP answer here means the server process is up
+    stats: dict = field(default_factory=lambda: {"appended_stop_token": 0})
+
+    def payload(self, job: GenerationJob, attempt: int) -> dict:
+        rid = job.id if attempt == 0 else f"{job.id}~retry{attempt}"
+        return {"input_ids": job.prompt_ids.tolist(), "rid": rid,
+                "sampling_params": {"max_new_tokens": job.max_new_tokens,
+                                    "temperature": self.temperature,
+                                    "stop_token_ids": [self.end_of_turn_id]}}
+
+    async def request(self, session: aiohttp.ClientSession, job: GenerationJob,
+                      attempt: int) -> dict:
+        """One attempt; raises TransientError (retry) or ServerError (do not)."""
+        return await post_pool_once(session, self.pool, "/generate", self.payload(job, attempt),
+                                    self.policy.timeout_s, f"request {job.id}")
+
+    def to_record(self, job: GenerationJob, answer: dict) -> tuple[dict, dict]:
+        """(tokenized record, raw answer to keep) of one `/generate` answer."""
+        meta = answer.get("meta_info") or {}
+        output = answer.get("output_ids")
+        if not isinstance(output, list) or "prompt_tokens" not in meta:
+            raise RecordFailure(f"malformed answer: no output_ids or meta_info.prompt_tokens "
+                                f"({str(answer)[:200]})")
+        if meta["prompt_tokens"] != len(job.prompt_ids):
+            raise RecordFailure(f"prompt truncated: the server saw {meta['prompt_tokens']} "
+                                f"prompt tokens, {len(job.prompt_ids)} were sent (do not start "
+                                "the server with --allow-auto-truncate; raise --context-length)")
+        reason = meta.get("finish_reason")
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        if kind == "abort":
+            raise TransientError(f"request {job.id} aborted by the server: {reason}")
+        if kind not in ("stop", "length"):
+            raise RecordFailure(f"unknown finish reason {reason!r}")
+        if meta.get("completion_tokens", len(output)) != len(output):
+            raise RecordFailure(f"answer holds {len(output)} output ids but completion_tokens "
+                                f"is {meta['completion_tokens']}")
+        matched = reason.get("matched") if isinstance(reason, dict) else None
+        if kind == "stop" and isinstance(matched, int) and output[-1:] != [matched]:
+            # The stop token the target emitted closes the turn and is supervised (PIPELINE.md);
+            # releases that leave it out of output_ids still name it as `matched`.
+            output = output + [matched]
+            self.stats["appended_stop_token"] += 1
+        raw = {"id": job.id, "backend": self.name, "output_ids": output, "finish_reason": kind,
+               "meta_info": meta}
+        return generated_record(job, output, kind), raw
+
+    async def abort(self, session: aiohttp.ClientSession, job: GenerationJob) -> None:
+        """Best effort: ask every server to drop an abandoned request (SGLang `/abort_request`)."""
+        for url in self.pool.urls:
+            try:
+                await post_once(session, url + "/abort_request", {"rid": job.id}, 5.0,
+                                f"abort {job.id}")
+            except Exception as e:  # noqa: BLE001 - shutting down; the server may be gone
+                log.debug("abort of %s on %s failed: %s", job.id, url, e)
+
+
+@dataclass
+class OpenAIBackend:
+    """Any OpenAI-compatible `/v1/chat/completions`; the reply is re-rendered by our template."""
+
+    pool: ServerPool
+    renderer: ChatRenderer
+    policy: RetryPolicy
+    model: str  # the served model name the server expects in "model"
+    temperature: float = 0.0
+    api_key: str | None = None
+    check_prompt_tokens: bool = True
+    name: str = "openai"
+    probe_path: str = "/v1/models"
+    stats: dict = field(default_factory=dict)
+
+    def payload(self, job: GenerationJob) -> dict:
+        body = {"model": self.model, "messages": job.messages,
+                "max_tokens": job.max_new_tokens, "temperature": self.temperature,
+                "stream": False}
+        if job.tools:
+            body["tools"] = job.tools
+        if self.renderer.template_kwargs:
+            body["chat_template_kwargs"] = self.renderer.template_kwargs
+        return body
+
+    async def request(self, session: aiohttp.ClientSession, job: GenerationJob,
+                      attempt: int) -> dict:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        return await post_pool_once(session, self.pool, "/v1/chat/completions",
+                                    self.payload(job), self.policy.timeout_s,
+                                    f"request {job.id}", headers)
+
+    def to_record(self, job: GenerationJob, answer: dict) -> tuple[dict, dict]:
+        try:
+            choice = answer["choices"][0]
+            message, finish = choice["message"], choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError) as e:
+            raise RecordFailure(f"malformed answer: no choices[0].message "
+                                f"({str(answer)[:200]})") from e
+        usage = answer.get("usage") or {}
+        if self.check_prompt_tokens and usage.get("prompt_tokens") not in (None,
+                                                                           len(job.prompt_ids)):
+            raise RecordFailure(
+                f"prompt mismatch: the server counted {usage['prompt_tokens']} prompt tokens, "
+                f"our template renders {len(job.prompt_ids)}: the server's chat template or "
+                "template kwargs differ from --target's (--thinking?)")
+        reply = reply_message(message)
+        reason = "length" if finish == "length" else "stop"
+        output = self.reply_ids(job, reply, cut_end_of_turn=reason == "length")
+        raw = {"id": job.id, "backend": self.name, "message": reply, "finish_reason": finish,
+               "usage": usage}
+        return generated_record(job, output, reason), raw
+
+    def reply_ids(self, job: GenerationJob, reply: dict, cut_end_of_turn: bool) -> list[int]:
+        """Token ids the template renders for `reply` after the job's serving prompt."""
+        try:
+            full = self.renderer.render_ids(job.messages + [reply], job.tools,
+                                            add_generation_prompt=False)
+        except Exception as e:  # jinja errors on odd replies (e.g. a tool call without name)
+            raise RecordFailure(f"template cannot render the reply: {e}") from e
+        prompt = job.prompt_ids.tolist()
+        if full[: len(prompt)] != prompt:
+            raise RecordFailure("re-rendered conversation does not begin with the serving "
+                                "prompt: the template renders this history differently")
+        reply_ids = full[len(prompt):]
+        eot = self.renderer.end_of_turn_id
+        # The turn ends at its last end-of-turn token; anything a template adds after it is
+        # not the target's output.
+        end = max((i + 1 for i, t in enumerate(reply_ids) if t == eot), default=len(reply_ids))
+        reply_ids = reply_ids[:end]
+        if cut_end_of_turn and reply_ids[-1:] == [eot]:
+            reply_ids = reply_ids[:-1]
+        if not reply_ids:
+            raise RecordFailure("empty reply")
+        return reply_ids
+
+
+def reply_message(message: dict) -> dict:
+    """The assistant message to re-render: content, reasoning and tool calls of the answer."""
+    reply = {"role": "assistant", "content": message.get("content") or ""}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        reply["reasoning_content"] = reasoning
+    calls = []
+    for k, tc in enumerate(message.get("tool_calls") or []):
+        fn = tc.get("function") or {}
+        calls.append({"id": tc.get("id") or f"call_{k}", "type": tc.get("type", "function"),
+                      "function": {"name": fn.get("name"), "arguments": fn.get("arguments")}})
+    if calls:
+        reply["tool_calls"] = calls
+    return reply
+

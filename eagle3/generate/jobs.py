@@ -1,0 +1,238 @@
+"""Stage 01b logic: conversations -> tokenized records, regenerating responses with the target.
+
+For a dataset marked `regenerate`, each conversation is cut before its last assistant turn, the
+prompt is rendered with the target's template (exactly what serving feeds it), and the target
+generates the reply greedily. Three backends generate (see `eagle3.generate.backends` and
+`eagle3.generate.runner` for the two server backends):
+
+- `sglang`: SGLang's native `/generate` with our prompt ids in; the record keeps the exact
+  `output_ids` the server produced (no decode and re-encode);
+- `openai`: any `/v1/chat/completions` server; the reply (content, reasoning, tool calls) is
+  re-rendered with the template, so its tokens are the template's, not necessarily the server's;
+- `hf`: in-process transformers, in fixed batches (the demo, the tests, small targets).
+
+For other datasets the existing replies are rendered with their loss masks.
+
+Files per dataset (append-only JSONL, resumed by record id, a torn last line cut):
+`tokenized.jsonl` (the records), `raw.jsonl` (every answer as received, `kept` telling whether
+it became a record; after a kill between the two writes a raw line may repeat, the last one
+wins), `failures.jsonl` (records that failed for good this run, with the reason) and
+`quarantine.jsonl` (conversations that cannot be rendered). A record is done when it is in
+`tokenized.jsonl` or its raw answer says `"kept": false` (dropped on purpose, e.g. cut by the
+length limit under `--no-keep-length`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from eagle3.core.chat import ChatRenderer, RenderError, split_for_generation
+from eagle3.core.records import JsonlAppender, TokenizedRecord, read_jsonl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationJob:
+    """One conversation to regenerate: its id, source, serving prompt and budget."""
+
+    id: str
+    source: str
+    prompt_ids: array  # int32; built from a list of ints
+    max_new_tokens: int
+    # The prompt as messages (what an OpenAI-compatible server is sent) and its tools.
+    messages: list[dict] = field(default_factory=list)
+    tools: list | None = None
+
+    def __post_init__(self) -> None:
+        # 4 bytes a token instead of ~36 for a list of ints: 100K long prompts stay in memory.
+        self.prompt_ids = array("i", self.prompt_ids)
+
+    @property
+    def context_tokens(self) -> int:
+        """Prompt plus generation budget: the context the server must hold for it."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+# Records are written with "id" first (dict order): reading ids needs no full JSON parse, which
+# matters when resuming over GBs of token ids.
+_ID_PREFIX = re.compile(rb'\{"id": ("(?:[^"\\]|\\.)*")')
+
+
+def line_ids(path: Path, suffix: bytes | None = None) -> set[str]:
+    """Ids of the complete lines of a JSONL file (a torn last line is ignored), optionally only
+    of lines ending with `suffix`."""
+    ids = set()
+    if not Path(path).exists():
+        return ids
+    with Path(path).open("rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break  # a torn last line: JsonlAppender cuts it before appending
+            if suffix is not None and not line.rstrip().endswith(suffix):
+                continue
+            m = _ID_PREFIX.match(line)
+            ids.add(json.loads(m.group(1)) if m else json.loads(line)["id"])
+    return ids
+
+
+def done_ids(out_dir: Path) -> set[str]:
+    """Ids finished by earlier runs: in tokenized.jsonl, or answered and dropped on purpose."""
+    out_dir = Path(out_dir)
+    return line_ids(out_dir / "tokenized.jsonl") | line_ids(out_dir / "raw.jsonl",
+                                                            b'"kept": false}')
+
+
+def existing_ids(path: Path) -> set[str]:
+    """Ids already written to a (possibly torn) output file."""
+    return {r["id"] for r in read_jsonl(path)} if Path(path).exists() else set()
+
+
+def tokenize_kept(conv: dict, renderer: ChatRenderer, max_seq_len: int) -> Iterator[dict]:
+    """Records for a conversation kept as is: one per user segment (see eagle3.core.chat)."""
+    samples = list(renderer.supervised_samples(conv["messages"], conv.get("tools")))
+    for k, (ids, mask, n_prompt) in enumerate(samples):
+        if len(ids) > max_seq_len:
+            raise RenderError(f"too long: {len(ids)} tokens > max_seq_len {max_seq_len}")
+        rid = conv["id"] if len(samples) == 1 else f"{conv['id']}#{k}"
+        yield TokenizedRecord(rid, conv["source"], ids, mask, n_prompt, "dataset").to_json()
+
+
+def build_job(conv: dict, renderer: ChatRenderer, max_seq_len: int,
+              max_new_tokens: int) -> GenerationJob:
+    """The generation job of a conversation, or RenderError saying why it has none."""
+    prompt_msgs, _ = split_for_generation(conv["messages"])
+    if not prompt_msgs or prompt_msgs[-1]["role"] not in ("user", "tool"):
+        raise RenderError("no prompt: the conversation does not end in a user or tool turn "
+                          "before its last assistant reply")
+    prompt = renderer.prompt_ids(prompt_msgs, conv.get("tools"))
+    budget = min(max_new_tokens, max_seq_len - len(prompt))
+    if budget < 1:
+        raise RenderError(f"too long: prompt has {len(prompt)} tokens, max_seq_len {max_seq_len}")
+    return GenerationJob(conv["id"], conv["source"], prompt, budget, prompt_msgs,
+                         conv.get("tools"))
+
+
+def generated_record(job: GenerationJob, output_ids: list[int], finish_reason: str) -> dict:
+    """The tokenized record of a reply generated as ids: prompt + output, output supervised."""
+    return TokenizedRecord(job.id, job.source, job.prompt_ids.tolist() + output_ids,
+                           [0] * len(job.prompt_ids) + [1] * len(output_ids),
+                           len(job.prompt_ids), finish_reason).to_json()
+
+
+class RecordSink:
+    """The three append-only outputs of a regenerated dataset, written in a crash-safe order."""
+
+    def __init__(self, out_dir: Path, keep_length: bool = True):
+        self.out = JsonlAppender(out_dir / "tokenized.jsonl")
+        self.raw = JsonlAppender(out_dir / "raw.jsonl")
+        # Rebuilt on every run: the records that failed before are tried again.
+        (out_dir / "failures.jsonl").unlink(missing_ok=True)
+        self.failures = JsonlAppender(out_dir / "failures.jsonl")
+        self.keep_length = keep_length
+        self.counts = {"generated": 0, "stop": 0, "length": 0, "dropped_length": 0,
+                       "failed": 0, "output_tokens": 0}
+        self.failure_reasons: dict[str, int] = {}
+
+    def add(self, record: dict, raw: dict) -> bool:
+        """Write one answer (raw) and its record unless dropped; True when the record is kept."""
+        reason = record["finish_reason"]
+        kept = self.keep_length or reason != "length"
+        # raw first: a kill between the two writes repeats this raw line on resume (harmless)
+        # rather than losing it; `kept: false` marks the record done without a record.
+        self.raw.write({**raw, "kept": kept})
+        self.counts["generated"] += 1
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self.counts["output_tokens"] += record["n_response_tokens"]
+        if kept:
+            self.out.write(record)
+        else:
+            self.counts["dropped_length"] += 1
+        return kept
+
+    def fail(self, record_id: str, kind: str, reason: str, attempts: int) -> None:
+        """A record that could not be generated (`kind`: a short class of `reason`, for the
+        summary); re-running the stage tries it again."""
+        self.failures.write({"id": record_id, "kind": kind, "reason": reason,
+                             "attempts": attempts})
+        self.counts["failed"] += 1
+        self.failure_reasons[kind] = self.failure_reasons.get(kind, 0) + 1
+        log.debug("record %s failed after %d attempts: %s", record_id, attempts, reason)
+
+    def flush(self) -> None:
+        for f in (self.raw, self.out, self.failures):
+            f.flush()
+
+    def close(self) -> None:
+        for f in (self.raw, self.out, self.failures):
+            f.close()
+
+
+class HFGenerator:
+    """Greedy generation with an in-process transformers target (small targets, tests)."""
+
+    def __init__(self, model, eos_ids: list[int], pad_id: int):
+        self.model = model
+        self.eos_ids = eos_ids
+        self.pad_id = pad_id
+
+    def generate(self, jobs: list[GenerationJob]) -> list[tuple[list[int], str]]:
+        """(output ids, finish reason) per job; output stops after the first eos id."""
+        import torch
+
+        device = self.model.device
+        width = max(len(j.prompt_ids) for j in jobs)
+        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for b, j in enumerate(jobs):  # left padding: generation continues every row at the end
+            ids[b, width - len(j.prompt_ids):] = torch.tensor(j.prompt_ids.tolist())
+            attn[b, width - len(j.prompt_ids):] = 1
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=attn.to(device),
+                max_new_tokens=max(j.max_new_tokens for j in jobs),
+                do_sample=False,
+                eos_token_id=self.eos_ids,
+                pad_token_id=self.pad_id,
+            )[:, width:].tolist()
+        results = []
+        for j, row in zip(jobs, out, strict=True):
+            row = row[: j.max_new_tokens]
+            stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            if stop is None:
+                results.append((row, "length"))
+            else:
+                results.append((row[: stop + 1], "stop"))
+        return results
+
+
+def run_generation(jobs: list[GenerationJob], generator: HFGenerator, sink: RecordSink,
+                   done: set[str], batch_size: int, bar) -> dict:
+    """hf backend: generate every job not in `done` in fixed batches; returns the sink's counts.
+
+    Fixed batches over a fixed order (longest first) are identical on every run, and a batch
+    with any missing record is regenerated whole, so a resumed run writes the same tokens as an
+    uninterrupted one (padding changes a batch's numerics, so batches must not be re-formed).
+    """
+    order = sorted(jobs, key=lambda j: (-len(j.prompt_ids), j.id))
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        if all(j.id in done for j in batch):
+            bar.update(len(batch))
+            continue
+        for job, (output, reason) in zip(batch, generator.generate(batch), strict=True):
+            if job.id in done:
+                continue
+            sink.add(generated_record(job, output, reason),
+                     {"id": job.id, "backend": "hf", "output_ids": output,
+                      "finish_reason": reason})
+        sink.flush()
+        bar.update(len(batch))
+    return sink.counts

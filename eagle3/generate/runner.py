@@ -1,0 +1,284 @@
+"""Driving a server backend of stage 01b over many prompts, for days, without losing a sample.
+
+- Bounded concurrency: `concurrency` requests in flight (150-200 suit SGLang up to ~10K context).
+  Jobs whose prompt plus generation budget exceed `long_context_threshold` tokens run in a second
+  pass at `long_concurrency`, so that a few long requests cannot exhaust the KV cache of a server
+  full of short ones.
+- Retries: a request that fails transiently (5xx, 429, timeout, dropped connection, an aborted
+  generation) is retried with exponential backoff; after `max_attempts` attempts, or at once for
+  an answer that cannot become a record (truncated prompt, template mismatch, 4xx), the record
+  goes to the failures file with the reason.
+- Outages: a refused connection says nothing about the request, so it costs no attempt; the
+  server is marked down (a pool sends elsewhere), probed every `poll_s`, and when every server
+  has been down for `server_down_timeout_s` the run stops with ServerDownError (re-run resumes).
+- Signals: the first SIGINT/SIGTERM stops sending new requests and lets those in flight finish;
+  a second abandons them (SGLang is asked to abort them); the run then raises Interrupted after
+  flushing what was written. Output order follows completion, so resume is by record id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import aiohttp
+
+from eagle3.generate.jobs import GenerationJob, RecordSink
+from eagle3.generate.backends import RecordFailure
+from eagle3.core.server import (
+    RetryPolicy,
+    ServerError,
+    ServerPool,
+    TransientError,
+    get_json,
+    is_reachable,
+    make_session,
+    wait_ready,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Interrupted(RuntimeError):
+    """The run was stopped by a signal; what was written stays, re-running resumes."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}; re-run the same command "
+                         "to resume")
+        self.signum = signum
+
+
+class ServerDownError(ServerError):
+    """Every server stayed unreachable longer than allowed."""
+
+
+@dataclass
+class RunnerConfig:
+    concurrency: int = 200  # requests in flight in the first pass
+    long_concurrency: int = 32  # requests in flight in the long-context pass
+    long_context_threshold: int = 10240  # prompt + budget tokens above which a job is "long"
+    max_attempts: int = 6  # attempts per record before it goes to the failures file
+    server_down_timeout_s: float = 1800.0  # how long every server may stay unreachable
+    poll_s: float = 5.0  # how often an unreachable server is probed
+
+
+def partition(jobs: list[GenerationJob], threshold: int):
+    """(short, long) jobs by prompt + generation budget against `threshold` tokens."""
+    short = [j for j in jobs if j.context_tokens <= threshold]
+    long = [j for j in jobs if j.context_tokens > threshold]
+    return short, long
+
+
+class ServerWatch:
+    """Marks unreachable servers down, probes them, and holds requests while all are down."""
+
+    def __init__(self, session, pool: ServerPool, probe_path: str, cfg: RunnerConfig):
+        self.session, self.pool, self.probe_path, self.cfg = session, pool, probe_path, cfg
+        self.up = asyncio.Event()
+        self.up.set()
+        self.down_since: float | None = None  # when the last up server went down
+        self.outages = 0
+        self._probes: dict[str, asyncio.Task] = {}
+
+    async def unreachable(self, url: str) -> None:
+        """Called when `url` refused a connection; returns when some server is up again."""
+        if url not in self.pool.down:
+            self.pool.down.add(url)
+            self.outages += 1
+            log.warning("%s is unreachable; sending elsewhere if possible and probing it every "
+                        "%.0fs", url, self.cfg.poll_s)
+            self._probes[url] = asyncio.create_task(self._probe(url))
+        if self.pool.all_down():
+            if self.up.is_set():
+                self.up.clear()
+                self.down_since = time.monotonic()
+            left = self.cfg.server_down_timeout_s - (time.monotonic() - self.down_since)
+            try:
+                await asyncio.wait_for(self.up.wait(), timeout=max(left, 0.0))
+            except asyncio.TimeoutError:
+                raise ServerDownError(
+                    f"no server reachable for {self.cfg.server_down_timeout_s:.0f}s "
+                    f"({', '.join(self.pool.urls)}): restart the server, then re-run the same "
+                    "command to resume") from None
+
+    async def _probe(self, url: str) -> None:
+        while not await is_reachable(self.session, url, self.probe_path):
+            await asyncio.sleep(self.cfg.poll_s)
+        self.pool.down.discard(url)
+        self.up.set()
+        log.warning("%s is reachable again", url)
+
+    def close(self) -> None:
+        for task in self._probes.values():
+            task.cancel()
+
+
+class GenerationRun:
+    """One dataset's jobs through a backend into a sink; `await run(jobs)` returns counts."""
+
+    def __init__(self, backend, sink: RecordSink, cfg: RunnerConfig, policy: RetryPolicy, bar):
+        self.backend, self.sink, self.cfg, self.policy, self.bar = backend, sink, cfg, policy, bar
+        self.stopping = False
+        self.signum: int | None = None
+        self.fatal: BaseException | None = None
+        self.inflight: dict[str, GenerationJob] = {}
+        self.workers: list[asyncio.Task] = []
+        self._aborts: list[asyncio.Task] = []
+        self.counts = {"requests": 0, "retries": 0, "abandoned": 0, "max_inflight": 0}
+
+    async def run(self, jobs: list[GenerationJob], session: aiohttp.ClientSession) -> dict:
+        self.watch = ServerWatch(session, self.backend.pool, self.backend.probe_path, self.cfg)
+        self.session = session
+        short, long = partition(jobs, self.cfg.long_context_threshold)
+        self.counts.update(short_jobs=len(short), long_jobs=len(long))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        ticker = asyncio.create_task(self._tick())
+        try:
+            for part, conc in ((short, self.cfg.concurrency), (long, self.cfg.long_concurrency)):
+                if part and not self.stopping:
+                    if part is long:
+                        log.info("long-context pass: %d jobs over %d tokens at concurrency %d",
+                                 len(long), self.cfg.long_context_threshold, conc)
+                    await self._pass(part, conc)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            ticker.cancel()
+            self.watch.close()
+            self.sink.flush()
+            if self._aborts:
+                await asyncio.wait(self._aborts, timeout=10.0)
+        if self.fatal is not None:
+            raise self.fatal
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+        return self.counts
+
+    async def _pass(self, jobs: list[GenerationJob], concurrency: int) -> None:
+        it = iter(jobs)  # shared by the workers: each pulls the next job when it is free
+        self.workers = [asyncio.create_task(self._worker(it))
+                        for _ in range(min(concurrency, len(jobs)))]
+        try:
+            await asyncio.gather(*self.workers)
+        except asyncio.CancelledError:
+            if self.signum is None:  # cancelled from outside, not by a second signal
+                raise
+        except BaseException:
+            for w in self.workers:
+                w.cancel()
+            await asyncio.gather(*self.workers, return_exceptions=True)
+            raise
+
+    async def _worker(self, it: Iterator[GenerationJob]) -> None:
+        while not self.stopping:
+            job = next(it, None)
+            if job is None:
+                return
+            self.inflight[job.id] = job
+            self.counts["max_inflight"] = max(self.counts["max_inflight"], len(self.inflight))
+            try:
+                await self._one(job)
+            except asyncio.CancelledError:
+                self.counts["abandoned"] += 1
+                raise
+            except ServerDownError as e:
+                self.fatal, self.stopping = e, True
+                return
+            finally:
+                self.inflight.pop(job.id, None)
+            self.bar.update(1)
+
+    async def _one(self, job: GenerationJob) -> None:
+        """Generate one record, retrying; it ends in the sink as a record or a failure."""
+        attempt = 0
+        while True:
+            self.counts["requests"] += 1
+            try:
+                answer = await self.backend.request(self.session, job, attempt)
+                record, raw = self.backend.to_record(job, answer)
+                self.sink.add(record, raw)
+                return
+            except TransientError as e:
+                if e.unreachable:  # the server is down: wait for it, costs no attempt
+                    await self.watch.unreachable(e.server)
+                    continue
+                attempt += 1
+                if attempt >= self.cfg.max_attempts:
+                    self.sink.fail(job.id, f"gave up after {attempt} attempts", str(e), attempt)
+                    return
+                self.counts["retries"] += 1
+                await asyncio.sleep(self.policy.delay_s(attempt))
+            except RecordFailure as e:  # not retried: this answer is final
+                self.sink.fail(job.id, str(e).split(":")[0], str(e), attempt + 1)
+                return
+            except ServerError as e:  # a 4xx: the server refuses this request
+                self.sink.fail(job.id, "refused by the server", str(e), attempt + 1)
+                return
+
+    def _on_signal(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum, self.stopping = signum, True
+            log.warning("%s: sending no new requests; waiting for the %d in flight (send it "
+                        "again to abandon them)", signal.Signals(signum).name, len(self.inflight))
+            return
+        log.warning("%s again: abandoning %d requests in flight", signal.Signals(signum).name,
+                    len(self.inflight))
+        abort = getattr(self.backend, "abort", None)
+        if abort is not None:
+            for job in list(self.inflight.values()):
+                self._aborts.append(asyncio.get_running_loop().create_task(
+                    abort(self.session, job)))
+        for w in self.workers:
+            w.cancel()
+
+    async def _tick(self) -> None:
+        """Refresh the progress bar's figures and flush the outputs once a second."""
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            c = self.sink.counts
+            tok_s = c["output_tokens"] / max(time.monotonic() - t0, 1e-9)
+            self.bar.set_postfix_str(f"out {tok_s:,.0f} tok/s | failed {c['failed']} | "
+                                     f"in flight {len(self.inflight)}", refresh=False)
+            self.sink.flush()
+
+
+def run_remote(jobs: list[GenerationJob], backend, sink: RecordSink, cfg: RunnerConfig,
+               policy: RetryPolicy, bar) -> dict:
+    """Run `jobs` through a server backend (blocking); returns the run's counts."""
+
+    async def go() -> dict:
+        async with make_session(max(cfg.concurrency, cfg.long_concurrency) + 8) as session:
+            return await GenerationRun(backend, sink, cfg, policy, bar).run(jobs, session)
+
+    return asyncio.run(go())
+
+
+def connect(backend, timeout_s: float, poll_s: float, headers: dict | None = None) -> None:
+    """Wait until every server of the backend answers; fill in the openai served model name."""
+
+    async def go() -> None:
+        async with make_session(8) as session:
+            for url in backend.pool.urls:
+                if backend.name == "sglang":
+                    info = await wait_ready(session, url, timeout_s, poll_s)
+                    log.info("%s ready: %s", url, info.get("model_path", info))
+                else:
+                    await wait_ready(session, url, timeout_s, poll_s,
+                                     paths=("/v1/models", "/health"), headers=headers)
+            if backend.name == "openai" and not backend.model:
+                models = await get_json(session, backend.pool.urls[0], ("/v1/models",),
+                                        headers=headers)
+                if not models.get("data"):
+                    raise ServerError(f"{backend.pool.urls[0]}/v1/models lists no model: pass "
+                                      "--served-model")
+                backend.model = models["data"][0]["id"]
+                log.info("served model: %s", backend.model)
+
+    asyncio.run(go())

@@ -1,0 +1,218 @@
+"""The embedded tiny target: a few-MB DeepSeek-V3 model and a Kimi-K2-style tokenizer.
+
+Built by the project itself, deterministically, in seconds, so that every stage runs on a CPU
+without a model hub. The folder it writes loads through `AutoTokenizer.from_pretrained` and
+`AutoModelForCausalLM.from_pretrained` exactly as a real target would.
+
+    python -m eagle3.tiny.target --out runs/demo/target
+
+The chat template has the shape of Kimi-K2.5's: a `tool_declare` system turn, role headers
+`<|im_user|>user<|im_middle|>`, turns closed by `<|im_end|>`, reasoning as `<think>…</think>`
+(kept only for assistant turns after the last user message, like Kimi's thinking models),
+tool calls in `<|tool_calls_section_begin|>` sections with ids `functions.NAME:IDX`, and tool
+results as `## Return of <id>`. Thinking is on by default (`thinking=False` closes an empty
+`<think></think>` after the generation prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = [
+    "[BOS]",
+    "[EOS]",
+    "[PAD]",
+    "<|im_system|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+]
+END_OF_TURN = "<|im_end|>"
+DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+
+# Whitespace control: `{%-`/`-%}` everywhere, so every character of the output is explicit.
+CHAT_TEMPLATE = (
+    "{%- set thinking = thinking if thinking is defined else true -%}"
+    "{%- if tools -%}"
+    "<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}"
+    "<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}"
+    "<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'tool' -%}"
+    "<|im_system|>tool<|im_middle|>## Return of {{ m['tool_call_id'] }}\n{{ m['content'] }}"
+    "<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}"
+    "<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
+    "<think>{{ m['reasoning_content'] }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{%- if m.get('content') -%}{{ m['content'] }}{%- endif -%}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for tc in m['tool_calls'] -%}"
+    "<|tool_call_begin|>{{ tc['id'] }}<|tool_call_argument_begin|>"
+    "{%- if tc['function']['arguments'] is string -%}{{ tc['function']['arguments'] }}"
+    "{%- else -%}{{ tc['function']['arguments'] | tojson(separators=(',', ':')) }}{%- endif -%}"
+    "<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}"
+    "<|im_end|>"
+    "{%- else -%}"
+    "{{ raise_exception('unknown role: ' ~ m['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if not thinking -%}<think></think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+# Text the tokenizer's BPE merges are learned from: enough variety for chat, code and JSON.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    "What is the capital of France? The capital of France is Paris.",
+    "Let me think step by step. First, 12 * 7 = 84. Then 84 + 16 = 100.",
+    "Hello! How can I help you today? I can answer questions, write code and call tools.",
+    "The weather in Paris is sunny with a temperature of 21 degrees.",
+    "import json\nimport os\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+    "Speculative decoding drafts tokens with a small model and verifies them with the target.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14 2.71",
+]
+
+
+@dataclass
+class TinyTargetConfig:
+    """Shape of the tiny target. Defaults give ~0.7M parameters and 8 layers."""
+
+    num_hidden_layers: int = 8  # >= 8 so that [2, N//2, N-3] names three distinct layers
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    intermediate_size: int = 128  # dense MLP of the first `first_k_dense_replace` layers
+    moe_intermediate_size: int = 32
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    bpe_vocab_size: int = 1024  # BPE vocabulary before the special tokens are added
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+def build_tokenizer(cfg: TinyTargetConfig):
+    """Train a byte-level BPE tokenizer locally and wrap it with the Kimi-style template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.bpe_vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="[BOS]",
+        eos_token=END_OF_TURN,
+        pad_token="[PAD]",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("[BOS]", "[PAD]")],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(cfg: TinyTargetConfig, vocab_size: int):
+    """A randomly initialised DeepseekV3ForCausalLM with MLA and MoE, seeded."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    model_cfg = DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads,
+        n_shared_experts=1,
+        n_routed_experts=cfg.n_routed_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(cfg.seed)
+    model = DeepseekV3ForCausalLM(model_cfg)
+    # Random init at std 0.02 gives near-uniform next-token distributions; a larger output
+    # scale makes greedy decoding depend on the context, as a trained model's does.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+def make_tiny_target(out_dir: Path, cfg: TinyTargetConfig | None = None) -> Path:
+    """Write tokenizer + model to `out_dir` (idempotent: an existing complete folder is kept)."""
+    cfg = cfg or TinyTargetConfig()
+    out_dir = Path(out_dir)
+    marker = out_dir / "tiny_target.json"
+    if marker.exists() and json.loads(marker.read_text()) == cfg.__dict__:
+        log.info("tiny target already at %s", out_dir)
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(cfg)
+    tokenizer.save_pretrained(out_dir)
+    model = build_model(cfg, vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    marker.write_text(json.dumps(cfg.__dict__, indent=1))
+    log.info("tiny target written to %s (%d parameters)", out_dir, model.num_parameters())
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the target to")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    make_tiny_target(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Training checkpoints: `step_{step:06d}/` folders, written under a temp name then renamed,
+valid only with their `COMPLETE` marker; the latest complete one is resumed from.
+
+A folder holds `state.pt` — draft weights (no `_orig_mod.`/`module.` prefixes), optimizer,
+schedule, loop state, data position, RNG states — and `config.json` (the resolved training
+config). A process killed while writing leaves only a `.tmp_step_*` folder, which is ignored and
+removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eagle3.core.stage import atomic_torch_save, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+# Fields whose change makes a checkpoint unusable (the architecture and the data it indexes).
+ARCH_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "draft_vocab_size", "vocab_size", "target_hidden_size",
+               "capture_layers")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed; the message says why and what to do."""
+
+
+def clean_state_dict(state: dict) -> dict:
+    """Strip wrapper prefixes (torch.compile `_orig_mod.`, DDP `module.`)."""
+    out = {}
+    for k, v in state.items():
+        stripped = True
+        while stripped:  # in any order and nesting: module._orig_mod.x, _orig_mod.module.x
+            stripped = False
+            for prefix in ("_orig_mod.", "module."):
+                if k.startswith(prefix):
+                    k, stripped = k[len(prefix):], True
+        out[k] = v
+    return out
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: Path, step: int, state: dict, config: dict, keep_latest: int) -> Path:
+    """Write `state` (+ RNG) to `root/step_{step:06d}` atomically; keep the newest few.
+
+    `state` holds at least `model` (a state dict); the other entries (optimizer, schedule,
+    loop_state, data) are saved as given.
+    """
+    root = Path(root)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    payload = {**state, "model": clean_state_dict(state["model"]), "rng": rng_state()}
+    atomic_torch_save(payload, tmp / "state.pt")
+    atomic_write_json(tmp / "config.json", config)
+    (tmp / MARKER).write_text(str(step))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in complete_steps(root)[:-keep_latest]:
+        shutil.rmtree(root / f"step_{old:06d}", ignore_errors=True)
+    for stale in root.glob(".tmp_step_*"):  # left by a process killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of complete checkpoint folders, ascending."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / MARKER).exists())
+
+
+def load_latest(root: Path, config: dict) -> dict | None:
+    """The newest complete checkpoint's state, or None; refuses a changed architecture."""
+    steps = complete_steps(root)
+    if not steps:
+        return None
+    folder = Path(root) / f"step_{steps[-1]:06d}"
+    saved = json.loads((folder / "config.json").read_text())
+    changed = {k: (saved.get(k), config.get(k)) for k in ARCH_FIELDS
+               if saved.get(k) != config.get(k)}
+    if changed:
+        raise CheckpointError(f"{folder} was trained with other architecture settings "
+                              f"{changed} (saved, now): use the same flags or --force to restart")
+    # weights_only=False: the RNG states hold numpy objects; the file is our own checkpoint.
+    state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+    state["folder"] = str(folder)
+    log.info("resuming from %s", folder)
+    return state
+
+
+def check_data_position(state: dict, rows_per_step: int, seed: int, folder: str) -> None:
+    """Refuse a resume whose global batch (ranks x grad-accum) or data seed changed: the same
+    step would then index other rows, and the schedule would not line up."""
+    data = state.get("data", {})
+    saved = (data.get("rows_per_step"), data.get("seed"))
+    if saved != (rows_per_step, seed):
+        raise CheckpointError(
+            f"{folder} was written with {saved[0]} rows per step (ranks x --grad-accum) and "
+            f"--seed {saved[1]}; this run has {rows_per_step} and {seed}: resume with the same "
+            "global batch and seed, or pass --force to restart")

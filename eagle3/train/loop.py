@@ -1,0 +1,398 @@
+"""EAGLE-3 training: the loop, its schedule, evaluation and checkpoints (ttt.py has the loss).
+
+Per optimizer step, in this order: learning rate -> eval if due or last -> save if due or last
+-> stop if last -> `grad_accum` micro-steps (forward + backward of one packed row each) -> clip
+-> AdamW step -> zero grads -> log if due. AdamW keeps fp32 master weights (the parameters are
+fp32); on CUDA the forward runs under bf16 autocast, with fused AdamW and flex attention.
+
+No host sync per micro-step: metrics accumulate in a device tensor and are read every
+`--log-every` steps; on CUDA a non-finite gradient norm makes the fused AdamW skip that update on
+the device (`found_inf`), and the run stops at the next log, eval or save naming the step. On CPU
+the check is immediate. Data order is a pure function of (seed, epoch); a resumed run continues
+at the exact row (data.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3.train import distributed
+from eagle3.train.checkpoint import check_data_position, load_latest, save_checkpoint, set_rng_state
+from eagle3.core.cli import arg, config_dict
+from eagle3.train.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan, list_files,
+                         make_loader, pack_epoch, row_width)
+from eagle3.train.distributed import DistInfo
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.train.log import MetricsLog, metrics_line
+from eagle3.train.ttt import TTTModel, num_stats, stats_dict
+
+__all__ = ["TrainConfig", "lr_at", "train", "build_draft", "build_draft_config", "list_files"]
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    target: Path = arg(help="target model folder (config.json, embedding and lm_head tensors)")
+    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
+    ttt_steps: int = arg(7, "training-time-test unroll length (draft steps per anchor)")
+    step_weight: float = arg(0.8, "loss weight of step k is step_weight**k")
+    epochs: int = arg(1, "passes over the train split")
+    max_seq_len: int = arg(8192, "samples are truncated to this many tokens")
+    pack_tokens: int = arg(0, "tokens per packed micro-batch row (0 = the longest sample, at "
+                              "most --max-seq-len), rounded up to a multiple of 128")
+    grad_accum: int = arg(1, "micro-batches (packed rows) per optimizer step and rank")
+    lr: float = arg(1e-4, "peak learning rate")
+    min_lr_ratio: float = arg(0.1, "final learning rate as a share of --lr (cosine floor)")
+    warmup_steps: int = arg(-1, "linear warmup steps (-1 = 3%% of all steps)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(0.5, "gradient clipping norm")
+    num_attention_heads: int = arg(0, "draft heads (0 = the target's)")
+    num_key_value_heads: int = arg(0, "draft kv heads (0 = same as heads)")
+    head_dim: int = arg(0, "draft head dim (0 = hidden / heads)")
+    intermediate_size: int = arg(0, "draft MLP width (0 = the target's intermediate_size)")
+    eval_every: int = arg(100, "evaluate the eval split every N steps (and at the end)")
+    max_eval_samples: int = arg(256, "eval samples per evaluation")
+    save_every: int = arg(500, "checkpoint every N steps (and at the end)")
+    keep_latest: int = arg(2, "checkpoints kept")
+    log_every: int = arg(10, "log a line every N steps")
+    num_workers: int = arg(2, "background data-loading processes per rank (0 = main process)")
+    seed: int = arg(0, "seed of the init and the data order")
+    device: str = arg("cpu", "torch device: cpu, or cuda (each torchrun rank takes its GPU)")
+    precision: str = arg("auto", "bf16 autocast or fp32; auto = bf16 on cuda, fp32 on cpu",
+                         choices=["auto", "bf16", "fp32"])
+    attention: str = arg("auto", "TTT attention: flex (fused kernel, CUDA) or naive "
+                                 "(materialised scores); auto = flex on cuda, naive on cpu",
+                         choices=["auto", "flex", "naive"])
+    compile: bool = arg(False, "torch.compile the TTT forward (CUDA; first steps compile)")
+    tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
+    sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
+                                           "capture layers whose first index is not 2)")
+    allow_partial: bool = arg(False, "accept incomplete upstream folders")
+    force: bool = arg(False, "restart training from scratch")
+    log_level: str = arg("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError("--ttt-steps must be >= 1")
+        if self.grad_accum < 1 or self.epochs < 1:
+            raise ValueError("--grad-accum and --epochs must be >= 1")
+        for name in ("eval_every", "save_every", "log_every", "keep_latest"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def lr_at(step: int, num_steps: int, peak: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to `peak` over `warmup` steps, then cosine down to `peak * min_ratio` at
+    `num_steps` (a pure function of the step: resuming needs no scheduler object)."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, num_steps - warmup)
+    progress = min(max(progress, 0.0), 1.0)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---------------------------------------------------------------- assembly
+
+
+def build_draft_config(cfg: TrainConfig, info, draft_vocab: int, capture_layers) -> DraftConfig:
+    heads = cfg.num_attention_heads or info.num_attention_heads
+    return DraftConfig(
+        hidden_size=info.hidden_size,  # serving reuses the target's embedding: same width
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.num_key_value_heads or heads,
+        head_dim=cfg.head_dim or info.hidden_size // heads,
+        intermediate_size=cfg.intermediate_size or info.intermediate_size,
+        vocab_size=info.vocab_size,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=info.hidden_size,
+        rms_norm_eps=info.rms_norm_eps,
+        rope_theta=info.rope_theta,
+        max_position_embeddings=info.max_position_embeddings,
+        capture_layers=list(capture_layers),
+    )
+
+
+def build_draft(dcfg: DraftConfig, seed: int, d2t, t2d) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(dcfg)
+    for p in draft.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    draft.set_vocab_mapping(d2t, t2d)
+    return draft
+
+
+@dataclass
+class Runtime:
+    """What the loop needs besides the config: device, ranks, precision, attention."""
+
+    device: torch.device
+    dist: DistInfo
+    bf16: bool
+    attention: str
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+
+def build_runtime(cfg: TrainConfig, device: torch.device, dist: DistInfo) -> Runtime:
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    attention = cfg.attention if cfg.attention != "auto" else (
+        "flex" if device.type == "cuda" else "naive")
+    return Runtime(device, dist, bf16, attention)
+
+
+def build_optimizer(draft: Eagle3Draft, cfg: TrainConfig, device: torch.device):
+    """AdamW over the fp32 parameters (the master weights); fused on CUDA."""
+    return torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+
+
+@dataclass
+class LoopState:
+    """Saved whole in every checkpoint."""
+
+    step: int = 0
+    tokens: int = 0
+    ema_loss: float = 0.0  # EMA of the step loss, debiased when logged
+    nonfinite_step: int = -1  # first step whose update was skipped (CUDA), -1 = none
+
+
+def _batch_args(batch: dict) -> tuple:
+    return (batch["input_ids"], batch["loss_mask"], batch["doc_ids"], batch["positions"],
+            batch["aux"], batch["final"])
+
+
+def _guard_nonfinite(optimizer, grad_norm, step: int, flag: torch.Tensor) -> None:
+    """Keep a non-finite update from being applied: fused AdamW skips it on the device (no sync)
+    and `flag` records the first such step; other optimizers check at once."""
+    bad = ~torch.isfinite(grad_norm)
+    if not optimizer.defaults.get("fused"):
+        if bool(bad):
+            raise FloatingPointError(f"step {step}: gradient norm {float(grad_norm)} is not "
+                                     "finite; stopping before the update")
+        return
+    optimizer.found_inf = bad.float()
+    flag.copy_(torch.where(bad & (flag < 0), torch.full_like(flag, step), flag))
+
+
+def _raise_if_nonfinite(flag: torch.Tensor) -> None:
+    step = int(flag)  # host sync: only at log / eval / save points
+    if step >= 0:
+        raise FloatingPointError(f"step {step}: gradient norm was not finite; its update was "
+                                 "skipped and the run stops here (resume from the last "
+                                 "checkpoint with a lower --lr or --max-grad-norm)")
+
+
+@torch.no_grad()
+def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainConfig,
+             rt: Runtime, width: int) -> dict:
+    """Mean per-step loss and accuracy and simulated acceptance over the eval split."""
+    n = min(len(files), cfg.max_eval_samples)
+    rows = pack_epoch(lengths[:n], width, cfg.max_seq_len, cfg.seed, 0, shuffle=False)
+    mine = rows[rt.dist.rank::rt.dist.world]
+    loader = make_loader(PackedRows(files, mine, width, cfg.max_seq_len),
+                         min(cfg.num_workers, len(mine)), rt.device.type == "cuda")
+    stats = torch.zeros(num_stats(cfg.ttt_steps), device=rt.device)
+    model.eval()
+    for batch in loader:
+        batch = {k: v.to(rt.device) for k, v in batch.items()}
+        with rt.autocast():
+            _, s = model(*_batch_args(batch), masks=model.build_masks(batch["doc_ids"]))
+        stats += s
+    model.train()
+    m = stats_dict(distributed.all_reduce_sum(stats), cfg.ttt_steps)
+    return {"eval_loss": m["loss_steps"], "eval_acc": m["acc"],
+            "eval_sim_accept": m["sim_accept"]}
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclass
+class TrainData:
+    """Hidden-state files of both splits and their token counts."""
+
+    train_files: list[Path]
+    train_lengths: list[int]
+    eval_files: list[Path]
+    eval_lengths: list[int]
+
+
+class Window:
+    """Device-side sums since the last log line (saved in checkpoints so a resumed run logs the
+    same values); read with one host sync per log line."""
+
+    def __init__(self, steps: int, device: torch.device, saved: dict | None = None):
+        saved = saved or {}
+        self.stats = torch.tensor(saved.get("stats", [0.0] * num_stats(steps)), device=device,
+                                  dtype=torch.float32)
+        self.tokens = torch.tensor(saved.get("tokens", 0), device=device)
+        self.rows = saved.get("rows", 0)
+        self.steps = saved.get("steps", 0)
+
+    def to_dict(self) -> dict:
+        return {"stats": self.stats.tolist(), "tokens": int(self.tokens), "rows": self.rows,
+                "steps": self.steps}
+
+
+def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
+          embed_VH: torch.Tensor, teacher_VdH: torch.Tensor, rt: Runtime) -> dict:
+    """Train `draft` in place (checkpoints under `out_dir/checkpoints`); returns the summary."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    width = row_width(cfg.max_seq_len, cfg.pack_tokens,
+                      max(data.train_lengths + data.eval_lengths))
+    plan = build_plan(data.train_lengths, width, cfg.max_seq_len, cfg.seed, cfg.epochs,
+                      rt.dist.world, cfg.grad_accum)
+    num_steps = plan.num_steps
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, int(0.03 * num_steps))
+    model = TTTModel(draft, embed_VH, teacher_VdH, cfg.ttt_steps, cfg.step_weight, rt.attention,
+                     torch.bfloat16 if rt.bf16 else torch.float32).to(rt.device)
+    optimizer = build_optimizer(draft, cfg, rt.device)
+    state, window_saved = _maybe_resume(cfg, out_dir, draft, optimizer, plan)
+    ddp = distributed.wrap(model, rt.dist, rt.device)
+    forward = torch.compile(ddp) if cfg.compile else ddp
+    metrics = MetricsLog(out_dir, rt.dist.is_main, state.step, cfg.tensorboard)
+    rows = [r for s in range(state.step, num_steps) for r in plan.rows_for(s, rt.dist.rank)]
+    feed = DevicePrefetcher(make_loader(PackedRows(data.train_files, rows, width,
+                                                   cfg.max_seq_len),
+                                        cfg.num_workers, rt.device.type == "cuda"), rt.device)
+    window = Window(cfg.ttt_steps, rt.device, window_saved)
+    ema = torch.tensor(state.ema_loss, device=rt.device)
+    bad_step = torch.tensor(state.nonfinite_step, device=rt.device)
+    clock = {"t": time.perf_counter(), "wait": 0.0, "start_step": state.step, "last_eval": {},
+             "history": []}
+    log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d, "
+             "%s attention", num_steps, cfg.epochs, plan.rows_per_step, width,
+             100 * plan.padding_share(data.train_lengths, width, cfg.max_seq_len), warmup,
+             rt.attention)
+    for step in range(state.step, num_steps + 1):
+        last_step = step == num_steps
+        lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if last_step or (step % cfg.eval_every == 0 and step > clock["start_step"]) or step == 0:
+            _raise_if_nonfinite(bad_step)
+            clock["last_eval"] = _run_eval(model, data, cfg, rt, width, step, metrics)
+        if step > clock["start_step"] and (last_step or step % cfg.save_every == 0):
+            _raise_if_nonfinite(bad_step)
+            state.step, state.ema_loss, state.nonfinite_step = step, float(ema), int(bad_step)
+            _save(cfg, out_dir, step, draft, optimizer, state, window, plan, rt)
+        if last_step:
+            break
+        step_loss = _micro_steps(cfg, rt, model, ddp, forward, feed, window)
+        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.max_grad_norm,
+                                                   foreach=True)
+        _guard_nonfinite(optimizer, grad_norm, step, bad_step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rt.dist.enabled:  # the mean over ranks (a device collective, no host sync)
+            step_loss = distributed.all_reduce_sum(step_loss) / rt.dist.world
+        ema.mul_(0.9).add_(0.1 * step_loss)  # debiased by the global step count when logged
+        window.steps += 1
+        if (step + 1) % cfg.log_every == 0 or step + 1 == num_steps:
+            _raise_if_nonfinite(bad_step)
+            state.tokens += _log_window(step + 1, num_steps, window, ema, grad_norm, lr, feed,
+                                        clock, cfg, rt, metrics, width)
+            window = Window(cfg.ttt_steps, rt.device)
+    metrics.close()
+    timed = clock["history"][1:] or clock["history"]  # the first window holds warm-up/compile
+    return {"num_steps": num_steps, "tokens": state.tokens, **clock["last_eval"],
+            "padding": plan.padding_share(data.train_lengths, width, cfg.max_seq_len),
+            "tok_s": sum(r["tok_s"] for r in timed) / max(len(timed), 1),
+            "data_wait": sum(r["data_wait"] for r in timed) / max(len(timed), 1)}
+
+
+def _micro_steps(cfg: TrainConfig, rt: Runtime, model: TTTModel, ddp, forward,
+                 feed: DevicePrefetcher, window: Window) -> torch.Tensor:
+    """`grad_accum` forward+backward passes, one packed row each; returns their mean loss."""
+    step_loss = torch.zeros((), device=rt.device)
+    for micro_step in range(cfg.grad_accum):
+        batch = feed.next()
+        masks = model.build_masks(batch["doc_ids"], compile_mask=rt.device.type == "cuda")
+        no_sync = rt.dist.enabled and micro_step < cfg.grad_accum - 1  # all-reduce once
+        with ddp.no_sync() if no_sync else contextlib.nullcontext():
+            with rt.autocast():
+                loss, stats = forward(*_batch_args(batch), masks=masks)
+            (loss / cfg.grad_accum).backward()  # each backward adds to .grad: a mean
+        feed.prefetch()  # the next row's host->device copy overlaps this step's kernels
+        step_loss += loss.detach() / cfg.grad_accum
+        window.stats += stats.detach()
+        window.tokens += batch["tokens"]
+        window.rows += 1
+    return step_loss
+
+
+def _maybe_resume(cfg, out_dir, draft, optimizer, plan: RunPlan) -> tuple[LoopState, dict]:
+    saved = load_latest(out_dir / "checkpoints", _checkpoint_config(cfg, draft))
+    if saved is None:
+        return LoopState(), {}
+    check_data_position(saved, plan.rows_per_step, cfg.seed, saved["folder"])
+    draft.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    set_rng_state(saved["rng"])
+    return LoopState(**saved["loop_state"]), saved.get("window", {})
+
+
+def _checkpoint_config(cfg: TrainConfig, draft: Eagle3Draft) -> dict:
+    return {**config_dict(cfg), **draft.cfg.to_dict()}
+
+
+def _save(cfg, out_dir, step, draft, optimizer, state: LoopState, window: Window,
+          plan: RunPlan, rt: Runtime) -> None:
+    if rt.dist.is_main:
+        epoch, row = (plan.locate(step)[0], plan.locate(step)[1] * plan.rows_per_step) \
+            if step < plan.num_steps else (len(plan.epochs), 0)
+        save_checkpoint(out_dir / "checkpoints", step, {
+            "model": draft.state_dict(), "optimizer": optimizer.state_dict(),
+            "loop_state": asdict(state), "window": window.to_dict(),
+            "schedule": {"num_steps": plan.num_steps, "peak_lr": cfg.lr,
+                         "warmup_steps": cfg.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio},
+            "data": {"step": step, "epoch": epoch, "row": row, "seed": cfg.seed,
+                     "rows_per_step": plan.rows_per_step}},
+            _checkpoint_config(cfg, draft), cfg.keep_latest)
+    distributed.barrier()
+
+
+def _run_eval(model, data: TrainData, cfg, rt: Runtime, width: int, step: int,
+              metrics: MetricsLog) -> dict:
+    if not data.eval_files:
+        return {}
+    result = evaluate(model, data.eval_files, data.eval_lengths, cfg, rt, width)
+    log.info("eval step %d | loss %s | acc %s | sim-accept %.2f", step,
+             [round(x, 3) for x in result["eval_loss"]],
+             [round(a, 3) for a in result["eval_acc"]], result["eval_sim_accept"])
+    metrics.write({"step": step, **result})
+    return result
+
+
+def _log_window(step: int, num_steps: int, window: Window, ema, grad_norm, lr: float,
+                feed: DevicePrefetcher, clock: dict, cfg, rt: Runtime, metrics: MetricsLog,
+                width: int) -> int:
+    """Reduce the window over ranks (one host sync), write one log line; returns its tokens."""
+    totals = distributed.all_reduce_sum(torch.cat([window.stats,
+                                                   window.tokens.float().reshape(1)]))
+    m = stats_dict(totals[:-1], cfg.ttt_steps)
+    tokens = int(totals[-1])
+    now = time.perf_counter()
+    elapsed = max(now - clock["t"], 1e-9)
+    rows = window.rows * rt.dist.world
+    rec = {"step": step, "loss": float(ema) / (1 - 0.9 ** step), "loss_steps": m["loss_steps"],
+           "acc": m["acc"], "sim_accept": m["sim_accept"], "lr": lr,
+           "grad_norm": float(grad_norm), "tokens": tokens,
+           "dt_ms": 1000 * elapsed / max(window.steps, 1), "tok_s": tokens / elapsed,
+           "data_wait": (feed.wait_s - clock["wait"]) / elapsed,
+           "padding": 1 - tokens / max(rows * width, 1)}
+    clock["t"], clock["wait"] = now, feed.wait_s
+    if rt.dist.is_main:
+        log.info(metrics_line(rec, num_steps, rec["dt_ms"] / 1000 * (num_steps - step)))
+    metrics.write(rec)
+    clock["history"].append(rec)
+    return tokens

@@ -1,0 +1,61 @@
+"""The benchmark scripts under benchmarks/ run at toy sizes and print their figures.
+
+They are not timed here (speed is what they measure, on the machine that runs them); this only
+keeps them working as the code they drive changes: a benchmark that no longer runs goes unnoticed
+until someone needs its figures.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], tmp_path: Path, timeout: int = 300) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _figure(out: str, row: str, column: int) -> float:
+    """A number from the row starting with `row` (column counted after the row's name)."""
+    line = next(x for x in out.splitlines() if x.startswith(row))
+    numbers = re.findall(r"\d[\d,]*\.?\d*", line[len(row):])
+    return float(numbers[column].replace(",", ""))
+
+
+def test_bench_prepare_runs_the_stage_beside_the_raw_tokenizer(tmp_path):
+    out = _run(["benchmarks/bench_prepare.py", "--n", "120", "--workers", "2"], tmp_path)
+    assert _figure(out, "raw tokenizer(text)", 2) > 0
+    for workers in (1, 2):
+        ratio = _figure(out, f"stage 01, {workers} worker(s)", 5)
+        assert 0 < ratio < 5
+
+
+def test_bench_client_measures_the_01b_client_against_a_bare_loop(tmp_path):
+    out = _run(["benchmarks/bench_client.py", "--requests", "300", "--concurrency", "20"],
+               tmp_path)
+    for row in ("bare aiohttp loop", "01b client (records)"):
+        assert _figure(out, row, 0) > 0  # requests/s
+        assert _figure(out, row, 4) == 0  # failed
+    assert "01b client / bare loop" in out
+
+
+def test_bench_extract_measures_the_dump_and_the_client_against_the_disk(tmp_path):
+    out = _run(["benchmarks/bench_extract.py", "--toy", "--dir", str(tmp_path / "d")], tmp_path)
+    for row in ("raw disk write+fsync", "dump write (server, no fsync)", "client bf16, 1 thread",
+                "client fp8, 1 thread"):
+        assert _figure(out, row, 0) > 0, row
+
+
+def test_bench_train_gpu_runs_its_cpu_smoke(tmp_path):
+    out = _run(["benchmarks/bench_train_gpu.py", "--device", "cpu", "--tiny", "--steps", "3",
+                "--warmup", "1", "--seq", "256"], tmp_path)
+    assert "tok/s" in out

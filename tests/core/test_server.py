@@ -1,0 +1,130 @@
+"""The server client: retries and what is not retried, fault classes, pools, readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from eagle3.core.server import (
+    RetryPolicy,
+    ServerError,
+    ServerPool,
+    TransientError,
+    generate,
+    get_server_info,
+    make_session,
+    post_json,
+    post_once,
+    wait_ready,
+)
+from eagle3.testing.fake_sglang import FakeSGLang, Faults, fake_output
+
+FAST = RetryPolicy(max_retries=3, base_delay_s=0.01, timeout_s=5.0)
+
+
+def _run(coro_fn):
+    async def go():
+        async with make_session(64) as session:
+            return await coro_fn(session)
+    return asyncio.run(go())
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_generate_returns_the_servers_output_ids_when_healthy():
+    with FakeSGLang() as server:
+        answer = _run(lambda s: generate(s, server.url, [5, 6, 7], "r1",
+                                         {"max_new_tokens": 8}, FAST))
+    out, reason = fake_output([5, 6, 7], 8)
+    assert answer["output_ids"] == out
+    assert answer["meta_info"]["finish_reason"]["type"] == reason
+    assert server.requests[0]["rid"] == "r1"
+
+
+def test_post_json_retries_then_raises_naming_the_request_when_always_500():
+    with FakeSGLang(Faults(fail_ids=frozenset({"bad"}))) as server:
+        with pytest.raises(ServerError, match="request bad failed after 4 attempts.*HTTP 500"):
+            _run(lambda s: generate(s, server.url, [1], "bad", {}, FAST))
+    assert len(server.requests) == 4
+
+
+def test_post_json_succeeds_when_some_attempts_fail():
+    faults = Faults(error_rate=0.5, drop_rate=0.2, seed=4)
+    policy = RetryPolicy(max_retries=20, base_delay_s=0.001, timeout_s=5.0)
+    with FakeSGLang(faults) as server:
+        for k in range(10):
+            answer = _run(lambda s, k=k: generate(s, server.url, [k], f"r{k}", {}, policy))
+            assert answer["output_ids"] == fake_output([k], 128)[0]
+    kinds = [r["kind"] for r in server.requests]
+    assert kinds.count("ok") == 10 and "error" in kinds and "drop" in kinds
+
+
+def test_post_json_does_not_retry_when_server_answers_4xx():
+    with FakeSGLang() as server:
+        with pytest.raises(ServerError, match="HTTP 404.*not retried"):
+            _run(lambda s: post_json(s, server.url + "/no_such_path", {}, FAST, "x"))
+
+
+def test_post_once_classifies_refused_dropped_and_timed_out_requests():
+    with FakeSGLang(Faults(drop_rate=1.0)) as dropping:
+        with pytest.raises(TransientError) as dropped:
+            _run(lambda s: post_once(s, dropping.url + "/generate", {"input_ids": [1]}, 5, "x"))
+    assert not dropped.value.unreachable
+    with FakeSGLang(Faults(hang_rate=1.0, hang_s=5.0)) as hanging:
+        with pytest.raises(TransientError, match="no answer within") as timed_out:
+            _run(lambda s: post_once(s, hanging.url + "/generate", {"input_ids": [1]}, 0.2,
+                                     "x"))
+    assert not timed_out.value.unreachable
+    with pytest.raises(TransientError, match="cannot connect") as refused:
+        _run(lambda s: post_once(s, _dead_url() + "/generate", {}, 5, "x"))
+    assert refused.value.unreachable
+
+
+def test_pool_round_robin_takes_servers_in_turn():
+    pool = ServerPool(["http://a", "http://b/", "http://c"], "round_robin")
+    picks = [pool.acquire() for _ in range(6)]
+    assert picks == ["http://a", "http://b", "http://c"] * 2
+
+
+def test_pool_least_outstanding_picks_the_least_busy_and_skips_down_servers():
+    pool = ServerPool(["http://a", "http://b"])
+    assert [pool.acquire() for _ in range(3)] == ["http://a", "http://b", "http://a"]
+    pool.release("http://a")
+    pool.release("http://a")
+    assert pool.acquire() == "http://a"  # a: 1 outstanding, b: 1 -> the first on ties
+    pool.down.add("http://a")
+    assert [pool.acquire() for _ in range(3)] == ["http://b"] * 3
+    pool.down.add("http://b")
+    assert pool.all_down()
+
+
+def test_generate_over_a_pool_retries_on_another_server_when_one_is_down():
+    with FakeSGLang() as alive:
+        pool = ServerPool([_dead_url(), alive.url], "round_robin")
+        answers = [_run(lambda s, k=k: generate(s, pool, [k], f"r{k}", {}, FAST))
+                   for k in range(4)]
+    assert all(a["output_ids"] == fake_output([k], 128)[0] for k, a in enumerate(answers))
+    assert sum(pool.sent.values()) >= 6  # refused attempts went to the dead one first
+
+
+def test_wait_ready_returns_model_info_and_times_out_on_a_dead_server():
+    with FakeSGLang() as server:
+        assert _run(lambda s: wait_ready(s, server.url, 5, 0.05))["model_path"] == "fake"
+        assert _run(lambda s: get_server_info(s, server.url))["disable_radix_cache"] is True
+    with pytest.raises(ServerError, match="not ready after"):
+        _run(lambda s: wait_ready(s, _dead_url(), timeout_s=0.3, poll_s=0.1))
+
+
+def test_make_session_allows_the_requested_concurrency():
+    async def go():
+        async with make_session(200) as session:
+            return session.connector.limit, session.connector.limit_per_host
+
+    assert asyncio.run(go()) == (200, 200)
+

@@ -1,0 +1,74 @@
+"""Checkpoint folders: atomic, complete-only, pruned, and refused when the run changed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from eagle3.train.checkpoint import (CheckpointError, check_data_position, clean_state_dict,
+                               complete_steps, load_latest, save_checkpoint)
+
+CONFIG = {"hidden_size": 16, "num_attention_heads": 2, "capture_layers": [2, 4, 5], "lr": 1e-3}
+
+
+def _state(step: int) -> dict:
+    return {"model": {"_orig_mod.module.fc.weight": torch.full((2, 2), float(step))},
+            "optimizer": {"state": {}, "param_groups": []},
+            "loop_state": {"step": step}, "data": {"rows_per_step": 4, "seed": 0}}
+
+
+def test_latest_complete_checkpoint_is_loaded_with_clean_names_and_rng(tmp_path):
+    save_checkpoint(tmp_path, 3, _state(3), CONFIG, keep_latest=5)
+    random.seed(1)
+    torch.manual_seed(1)
+    save_checkpoint(tmp_path, 6, _state(6), CONFIG, keep_latest=5)
+    expected = (random.random(), torch.rand(1))
+    state = load_latest(tmp_path, CONFIG)
+    assert state["loop_state"]["step"] == 6
+    assert list(state["model"]) == ["fc.weight"]  # no torch.compile / DDP prefixes
+    from eagle3.train.checkpoint import set_rng_state
+
+    set_rng_state(state["rng"])
+    assert (random.random(), torch.rand(1)) == expected
+
+
+def test_folder_without_marker_is_ignored_when_a_save_was_killed(tmp_path):
+    save_checkpoint(tmp_path, 3, _state(3), CONFIG, keep_latest=5)
+    torn = tmp_path / ".tmp_step_000006"  # what a kill mid-save leaves
+    torn.mkdir()
+    (torn / "state.pt").write_bytes(b"partial")
+    half = tmp_path / "step_000009"  # a folder someone copied without its marker
+    half.mkdir()
+    assert complete_steps(tmp_path) == [3]
+    assert load_latest(tmp_path, CONFIG)["loop_state"]["step"] == 3
+    save_checkpoint(tmp_path, 6, _state(6), CONFIG, keep_latest=5)
+    assert not torn.exists()  # cleaned by the next save
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    for step in (2, 4, 6, 8):
+        save_checkpoint(tmp_path, step, _state(step), CONFIG, keep_latest=2)
+    assert complete_steps(tmp_path) == [6, 8]
+
+
+def test_resume_refused_when_the_architecture_changed(tmp_path):
+    save_checkpoint(tmp_path, 3, _state(3), CONFIG, keep_latest=2)
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_latest(tmp_path, {**CONFIG, "hidden_size": 32})
+    assert load_latest(tmp_path, {**CONFIG, "lr": 5e-4}) is not None  # not architecture
+
+
+def test_resume_refused_when_the_global_batch_or_seed_changed():
+    state = _state(3)
+    check_data_position(state, 4, 0, "step_000003")
+    with pytest.raises(CheckpointError, match="global batch"):
+        check_data_position(state, 8, 0, "step_000003")
+    with pytest.raises(CheckpointError, match="--seed"):
+        check_data_position(state, 4, 1, "step_000003")
+
+
+def test_clean_state_dict_strips_nested_wrapper_prefixes():
+    out = clean_state_dict({"module._orig_mod.norm.weight": 1, "fc.weight": 2})
+    assert out == {"norm.weight": 1, "fc.weight": 2}

@@ -1,0 +1,104 @@
+"""Draft vocabulary selection and the d2t / t2d mapping on a hand-computed example."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.vocab.mapping import (VocabError, build_mapping, count_supervised, coverage,
+                          hot_ids_from_d2t, select_hot_ids)
+
+
+def test_mapping_matches_hand_computed_example_when_counts_are_known(tmp_path):
+    # target vocab 10; supervised tokens: 7 x3, 2 x2, 9 x2, 4 x1; unsupervised 5 never counts
+    rec = {"id": "a", "input_ids": [5, 7, 7, 2, 9, 5, 7, 2, 9, 4],
+           "loss_mask": [0, 1, 1, 1, 1, 0, 1, 1, 1, 1]}
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    counts = count_supervised(path, 10)
+    assert counts.tolist() == [0, 0, 2, 0, 1, 0, 0, 3, 0, 2]
+    hot = select_hot_ids(counts, 3)  # 7 (3), then 2 and 9 tie at 2: both kept; 4 drops
+    assert hot.tolist() == [2, 7, 9]
+    m = build_mapping(hot, 10)
+    assert m["d2t"].tolist() == [2, 6, 7]  # target = draft + d2t: 0+2, 1+6, 2+7
+    assert m["t2d"].tolist() == [False, False, True, False, False, False, False, True, False,
+                                 True]
+    assert hot_ids_from_d2t(m["d2t"]).tolist() == [2, 7, 9]
+
+
+def test_hot_ids_are_padded_with_lowest_unused_ids_when_few_are_seen():
+    counts = np.array([0, 0, 5, 0, 0, 1])
+    hot = select_hot_ids(counts, 4)
+    assert hot.tolist() == [0, 1, 2, 5]
+    ids = hot_ids_from_d2t(build_mapping(hot, 6)["d2t"])
+    assert torch.equal(ids, torch.tensor([0, 1, 2, 5]))
+    assert (ids[1:] > ids[:-1]).all()  # unique and ascending
+
+
+def test_ties_break_toward_the_lower_id():
+    assert select_hot_ids(np.array([1, 1, 1, 1]), 2).tolist() == [0, 1]
+
+
+def test_select_refuses_when_draft_vocab_exceeds_target():
+    with pytest.raises(VocabError, match="--draft-vocab"):
+        select_hot_ids(np.zeros(5, dtype=np.int64), 6)
+
+
+def test_coverage_counts_share_inside_top_k():
+    cov = coverage(np.array([6, 3, 1, 0]), sizes=(1, 2, 8))
+    assert cov == {1: 0.6, 2: 0.9, 8: 1.0}
+
+
+def test_demo_mapping_has_unique_ascending_hot_ids(demo_run):
+    from safetensors.torch import load_file
+
+    m = load_file(str(demo_run / "03_vocab/vocab_mapping.safetensors"))
+    ids = hot_ids_from_d2t(m["d2t"])
+    assert ids.numel() == 256 and (ids[1:] > ids[:-1]).all()
+    assert m["t2d"].sum() == 256 and m["t2d"][ids].all()
+
+
+def test_counting_streams_in_bounded_memory_when_the_file_is_large(tmp_path):
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "train.jsonl"
+    with path.open("w") as f:
+        for i in range(20000):  # 600K tokens: 4.8 MB as int64 if held at once
+            ids = rng.integers(0, 1000, 30).tolist()
+            f.write(json.dumps({"id": f"r{i}", "input_ids": ids, "loss_mask": [1] * 30}) + "\n")
+    tracemalloc.start()
+    counts = count_supervised(path, 1000, chunk_tokens=4096)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert counts.sum() == 600_000
+    assert peak < 1_000_000, peak  # the counter (8 KB), one chunk and one record
+
+
+def test_counting_refuses_a_record_whose_mask_length_differs(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"id": "bad", "input_ids": [1, 2, 3], "loss_mask": [1, 1]}) + "\n")
+    with pytest.raises(VocabError, match="record bad"):
+        count_supervised(path, 10)
+
+
+def test_report_gives_coverage_at_each_size_and_the_top_tokens():
+    from eagle3.vocab.mapping import report
+
+    class Tok:
+        def convert_ids_to_tokens(self, i):
+            return f"<{i}>"
+
+    counts = np.zeros(70000, dtype=np.int64)
+    counts[:70000] = 1
+    counts[5] = 30000  # one very frequent token
+    rep = report(counts, select_hot_ids(counts, 8192), Tok(), top=3)
+    total = 30000 + 69999
+    assert rep["supervised_tokens"] == total
+    assert rep["coverage"] == pytest.approx((30000 + 8191) / total)
+    assert rep["coverage_at"]["8192"] == pytest.approx((30000 + 8191) / total)
+    assert rep["coverage_at"]["65536"] == pytest.approx((30000 + 65535) / total)
+    assert [t["token"] for t in rep["top_tokens"]] == ["<5>", "<0>", "<1>"]
