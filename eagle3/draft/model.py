@@ -314,15 +314,7 @@ class Eagle3Draft(nn.Module):
 
     def step(self, embeds_BTH, hidden_BTH, positions_BT, cache: StepCache,
              anchors_T: torch.Tensor | None = None, doc_BT: torch.Tensor | None = None):
-        """`step_layer`, then the lm_head: (logits `[B, T, V]`, next hidden `[B, T, H]`)."""
-        normed, hidden = self.step_layer(embeds_BTH, hidden_BTH, positions_BT, cache, anchors_T,
-                                         doc_BT)
-        return self.lm_head(normed), hidden
-
-    def step_layer(self, embeds_BTH, hidden_BTH, positions_BT, cache: StepCache,
-                   anchors_T: torch.Tensor | None = None, doc_BT: torch.Tensor | None = None):
-        """One draft step with the naive attention, lm_head excluded: (normed output
-        `[B, T, H]`, next hidden `[B, T, H]`).
+        """One draft step with the naive attention: (logits `[B, T, V]`, next hidden `[B,T,H]`).
 
         `hidden_BTH` is `fc(aux)` for step 0 and the previous step's output after. The first
         call fills the step-0 cache (the draft extend); later calls are decode steps whose query
@@ -339,27 +331,21 @@ class Eagle3Draft(nn.Module):
                 cache.vs.append(v)
             return naive_ttt_attention(q, cache, anchors_T, doc_BT)
 
-        return self.layer(embeds_BTH, hidden_BTH, positions_BT, attend)
+        normed, hidden = self.layer(embeds_BTH, hidden_BTH, positions_BT, attend)
+        return self.lm_head(normed), hidden
 
     def flex_step(self, embeds_BTH, hidden_BTH, positions_BT, keys: list, values: list,
                   block_mask):
-        """`flex_layer`, then the lm_head: (logits, next hidden)."""
-        normed, hidden = self.flex_layer(embeds_BTH, hidden_BTH, positions_BT, keys, values,
-                                         block_mask)
-        return self.lm_head(normed), hidden
-
-    def flex_layer(self, embeds_BTH, hidden_BTH, positions_BT, keys: list, values: list,
-                   block_mask):
-        """One TTT step with flex attention (training), lm_head excluded: (normed output,
-        next hidden). `keys`/`values` hold the earlier steps' and receive this step's;
-        `block_mask` is this step's mask."""
+        """One TTT step with flex attention (training): (logits, next hidden). `keys`/`values`
+        hold the earlier steps' and receive this step's; `block_mask` is this step's mask."""
 
         def attend(q, k, v):
             keys.append(k)
             values.append(v)
             return flex_ttt_attention(q, keys, values, block_mask)
 
-        return self.layer(embeds_BTH, hidden_BTH, positions_BT, attend)
+        normed, hidden = self.layer(embeds_BTH, hidden_BTH, positions_BT, attend)
+        return self.lm_head(normed), hidden
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids (`id + d2t[id]`)."""

@@ -22,9 +22,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.draft.model import Eagle3Draft, StepCache, TTTMasks
-from eagle3.train.head_loss import head_soft_ce_loss
 
 ATTENTION = ("naive", "flex")
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """sum_n w_n * CE(target_p_n, softmax(logits_n)), saving only the logits and their lse.
+
+    logits `[N, V]` (any float dtype), target_p `[N, V]` float32 rows summing to 1, w `[N]`.
+    The gradient is `(softmax(logits) * sum(p) - p) * w`, formed in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_NV, target_p_NV, weight_N):
+        lf = logits_NV.float()
+        lse_N = torch.logsumexp(lf, dim=-1)
+        p_sum = target_p_NV.sum(-1)
+        ce_N = lse_N * p_sum - (target_p_NV * lf).sum(-1)
+        ctx.save_for_backward(logits_NV, target_p_NV, weight_N, lse_N)
+        return (ce_N * weight_N).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits_NV, target_p_NV, weight_N, lse_N = ctx.saved_tensors
+        probs = torch.exp(logits_NV.float() - lse_N[:, None])
+        grad = probs * target_p_NV.sum(-1, keepdim=True) - target_p_NV
+        grad = grad * (weight_N * grad_out)[:, None]
+        return grad.to(logits_NV.dtype), None, None
 
 
 def shift_rows(x_BT: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -78,11 +102,6 @@ class TTTModel(nn.Module):
     def unroll(self, input_ids, doc_ids, positions, aux, masks=None) -> list:
         """The draft logits `[B, T, V]` of steps 0..K-1 (row t = anchor t; rows whose token
         t+1+k lies outside the sequence are garbage that no valid row ever attends to)."""
-        return [self.draft.lm_head(x) for x in self.unroll_normed(input_ids, doc_ids, positions,
-                                                                   aux, masks)]
-
-    def unroll_normed(self, input_ids, doc_ids, positions, aux, masks=None) -> list:
-        """The layer's normed output `[B, T, H]` of steps 0..K-1 (the lm_head's input)."""
         T = input_ids.shape[1]
         hidden = self.draft.fc(aux.to(self.compute_dtype))  # once per batch, not per step
         keys, values, cache = [], [], StepCache()
@@ -91,12 +110,12 @@ class TTTModel(nn.Module):
         for k in range(self.steps):
             embeds = F.embedding(shift_rows(input_ids, 1 + k), self.embed)
             if self.attention == "flex":
-                normed, hidden = self.draft.flex_layer(embeds, hidden, positions + k, keys,
-                                                       values, masks[k])
+                logits, hidden = self.draft.flex_step(embeds, hidden, positions + k, keys, values,
+                                                      masks[k])
             else:
-                normed, hidden = self.draft.step_layer(embeds, hidden, positions + k, cache,
-                                                       anchors, doc_ids)
-            out.append(normed)
+                logits, hidden = self.draft.step(embeds, hidden, positions + k, cache, anchors,
+                                                 doc_ids)
+            out.append(logits)
         return out
 
     def forward(self, input_ids, loss_mask, doc_ids, positions, aux, final, masks=None):
@@ -107,39 +126,29 @@ class TTTModel(nn.Module):
             teacher_logits = final.to(self.compute_dtype) @ self.teacher.T
             teacher_p = torch.softmax(teacher_logits.float(), dim=-1)  # [B, T, V]
             teacher_top = teacher_p.argmax(-1)
-        weight_KBT, scale_K = self.step_weights(loss_mask, doc_ids)
-        normed_KBTH = torch.stack(self.unroll_normed(input_ids, doc_ids, positions, aux, masks))
-        head_VH = self.draft.lm_head.weight.to(self.compute_dtype)
-        total, ce_K, top_KBT = head_soft_ce_loss(normed_KBTH, head_VH, teacher_p, weight_KBT,
-                                                 scale_K)
-        hit_sums, weight_sums = [], []
+        total = torch.zeros((), device=input_ids.device)
+        ce_sums, hit_sums, weight_sums = [], [], []
         chain = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
         accept = torch.zeros((), device=input_ids.device)
-        with torch.no_grad():
-            for k in range(self.steps):
-                n = 1 + k  # this step read token t+n and is scored against the target at t+n
-                weight = weight_KBT[k, :, : T - n].bool()
-                w_sum = weight_KBT[k].sum()
-                hit = (top_KBT[k, :, : T - n] == teacher_top[:, n:]) & weight
+        for k, logits in enumerate(self.unroll(input_ids, doc_ids, positions, aux, masks)):
+            n = 1 + k  # this step read token t+n and is scored against the target at t+n
+            same_seq = (shift_rows(doc_ids, n, -2) == doc_ids) & (doc_ids >= 0)
+            weight = (same_seq & shift_rows(loss_mask, n).bool())[:, : T - n]
+            logits = logits[:, : T - n]
+            V = logits.shape[-1]
+            w = weight.reshape(-1).float()
+            ce_sum = SoftCrossEntropy.apply(logits.reshape(-1, V), teacher_p[:, n:].reshape(-1, V),
+                                            w)
+            w_sum = w.sum()
+            total = total + (self.step_weight ** k) * ce_sum / w_sum.clamp(min=1.0)
+            with torch.no_grad():
+                hit = (logits.argmax(-1) == teacher_top[:, n:]) & weight
                 chain = torch.cat([chain[:, : T - n] & hit, torch.zeros_like(chain[:, T - n:])], 1)
                 if k == 0:
                     accept = accept + w_sum  # every anchor with a step-0 target counts 1
                 accept = accept + chain.sum()
-                hit_sums.append(hit.sum().float())
-                weight_sums.append(w_sum)
-        stats = torch.stack([*ce_K.unbind(), *hit_sums, *weight_sums, accept, weight_sums[0]])
+            ce_sums.append(ce_sum.detach())
+            hit_sums.append(hit.sum().float())
+            weight_sums.append(w_sum)
+        stats = torch.stack([*ce_sums, *hit_sums, *weight_sums, accept, weight_sums[0]])
         return total, stats
-
-    def step_weights(self, loss_mask, doc_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight `[K, B, T]` of anchor t at step k: `loss_mask[t+1+k]` when t+1+k is in t's
-        sequence, else 0; scale `[K]`: `step_weight**k / max(sum of step k's weights, 1)`, the
-        factor of step k's summed CE in the loss)."""
-        weights = []
-        for k in range(self.steps):
-            n = 1 + k
-            same_seq = (shift_rows(doc_ids, n, -2) == doc_ids) & (doc_ids >= 0)
-            weights.append((same_seq & shift_rows(loss_mask, n).bool()).float())
-        weight_KBT = torch.stack(weights)
-        powers = torch.tensor([self.step_weight ** k for k in range(self.steps)],
-                              device=loss_mask.device)
-        return weight_KBT, powers / weight_KBT.sum((1, 2)).clamp(min=1.0)

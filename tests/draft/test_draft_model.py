@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from eagle3.draft.model import FLEX_BLOCK, DraftConfig, Eagle3Draft, StepCache, TTTMasks
-from eagle3.train.ttt import TTTModel
+from eagle3.train.ttt import SoftCrossEntropy, TTTModel
 
 H, HEADS, KV_HEADS, D, INTER, VT, VD, K = 32, 4, 2, 8, 48, 60, 24, 4
 
@@ -236,3 +236,17 @@ def test_flex_and_naive_attention_give_equal_loss_and_gradients(monkeypatch):
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6,
                                    msg=name)
+
+
+def test_soft_cross_entropy_matches_autograd_reference():
+    torch.manual_seed(6)
+    logits = torch.randn(7, 11, requires_grad=True)
+    target = torch.softmax(torch.randn(7, 11), -1)
+    w = torch.tensor([1.0, 0, 1, 1, 0, 1, 1])
+    SoftCrossEntropy.apply(logits, target, w).backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    ref = (-(target * torch.log_softmax(logits, -1)).sum(-1) * w).sum()
+    ref.backward()
+    torch.testing.assert_close(ours, logits.grad)
+    torch.testing.assert_close(SoftCrossEntropy.apply(logits, target, w), ref)
