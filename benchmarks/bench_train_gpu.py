@@ -9,10 +9,15 @@ host syncs per step, the data-wait share of the real loader (hidden-state files 
 read by worker processes), and the DDP scaling on 2 GPUs (spawned through torchrun).
 
 Configurations (each runs on its own; a failure is recorded and the next one runs):
-  flex          flex-attention kernel compiled, the rest eager (the trainer's default on CUDA)
-  flex+compile  the whole TTT forward under torch.compile (the trainer's --compile)
+  flex          flex-attention kernel compiled, the rest eager (the trainer's --no-compile)
+  flex+compile  the whole TTT forward under torch.compile (the trainer's default on CUDA)
   loader        the faster of the two, fed by the real loader from files (data-wait share)
   ddp2          the faster of the two on 2 GPUs (torchrun --nproc-per-node 2)
+  curve         not in the default list: the loss of --curve-steps compiled steps on 4 fixed
+                learnable batches, fixed seed (run it under two code versions to compare)
+--profile adds, for flex / flex+compile, the kernel time of 2 profiled steps by category and the
+GEMMs' FLOP rate. Compiling costs ~45 s per row width and config (T = 4096, H200): budget
+~90 s for a compiled row, and about 0.33 s per curve step on top.
 
 H200 (one command, ~6-8 minutes, needs 2 GPUs for the DDP row; with 1 GPU it is skipped):
     python benchmarks/bench_train_gpu.py
@@ -70,6 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540,
                    help="skip configs not started within this many seconds (default 540)")
     p.add_argument("--num-workers", type=int, default=4, help="loader workers (loader config)")
+    p.add_argument("--curve-steps", type=int, default=120,
+                   help="optimizer steps of the fixed-seed loss curve (curve config)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile 2 more (CUDA): kernel time by category, "
+                        "GEMM rate against the plain-GEMM rate (flex and flex+compile rows)")
     p.add_argument("--out", default=None, help="results folder (default: $OUT or ./bench_out)")
     p.add_argument("--ddp-worker", default=None, help=argparse.SUPPRESS)  # torchrun child
     return p.parse_args(argv)
@@ -186,6 +196,8 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - wall
+    if cuda and args.profile and not use_loader and dist_info.world == 1:
+        state["profile"] = profile_steps(lambda: one_step(False), 2)
     out = {"step_ms": 1000 * seconds / args.steps,
            "tokens_per_s_per_gpu": args.seq * args.steps / seconds,
            "train_flops_per_step": flops,
@@ -200,9 +212,103 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
             out[f"{name}_share"] = sum(p[i] for p in phase) / tot
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["host_syncs_per_step"] = state["syncs"]
+    if "profile" in state:
+        out["profile"] = state["profile"]
     if tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+KERNEL_CLASSES = (  # (category, substrings of the kernel name), first match wins
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("flex_attention", ("flex_attention", "triton_tem")),
+    ("optimizer", ("adam",)),
+    ("foreach (clip)", ("multi_tensor", "foreach")),
+    ("inductor fused", ("triton_",)),
+    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
+    ("aten elementwise/reduce", ("elementwise", "reduce", "softmax", "index", "cat")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for category, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def profile_steps(step_fn, n: int) -> dict:
+    """Kernel time per step by category and the GEMMs' FLOP rate, over `n` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                 with_flops=True) as prof:
+        for _ in range(n):
+            step_fn()
+        torch.cuda.synchronize()
+    wall_ms = 1000 * (time.perf_counter() - t) / n
+    by_class, kernels = {}, {}
+    gemm_flops = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if e.name.startswith("## ") or e.name.startswith("Optimizer."):
+                continue  # GPU-side ranges of compiled graphs / optimizer steps, not kernels
+            ms = e.device_time_total / 1000 / n  # device_time_total is in microseconds
+            by_class[kernel_class(e.name)] = by_class.get(kernel_class(e.name), 0.0) + ms
+            kernels[e.name] = kernels.get(e.name, 0.0) + ms
+        elif e.name in GEMM_OPS and e.flops:
+            gemm_flops += e.flops / n
+    busy = sum(by_class.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    gemm_ms = by_class.get("gemm", 0.0)
+    return {"step_wall_ms": wall_ms, "kernel_ms": busy, "idle_ms": wall_ms - busy,
+            "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+            "gemm_flops_per_step": gemm_flops,
+            "gemm_tflops": gemm_flops / max(gemm_ms, 1e-9) / 1e9,
+            "top_kernels_ms": [[name[:160], ms, kernel_class(name)] for name, ms in top]}
+
+
+def learnable_batch(cfg: DraftConfig, seq: int, seed: int, device) -> dict:
+    """A synthetic batch the draft can learn: the target's final state at t+1 is the high aux
+    state at t, so step 0's target distribution is a fixed function of its own input."""
+    b = synthetic_batch(cfg, seq, "cpu")
+    g = torch.Generator().manual_seed(100 + seed)
+    Ht = cfg.target_hidden_size
+    b["input_ids"] = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
+    b["aux"] = torch.randn(1, seq, 3 * Ht, generator=g).to(torch.bfloat16)
+    b["final"] = torch.roll(b["aux"][..., 2 * Ht:], 1, dims=1).contiguous()
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def loss_curve(args, device: torch.device) -> dict:
+    """The loss of `--curve-steps` optimizer steps of the compiled trainer step, fixed seed,
+    cycling over 4 fixed learnable batches (compare two code versions' curves step by step)."""
+    from eagle3.train.ttt import stats_dict
+
+    cuda = device.type == "cuda"
+    model, optimizer, cfg = build(args, device, cuda)
+    forward = torch.compile(model) if cuda else model
+    batches = [learnable_batch(cfg, args.seq, i, device) for i in range(4)]
+    masks = [model.build_masks(b["doc_ids"], compile_mask=cuda) for b in batches]
+    losses, stats = [], []
+    for step in range(args.curve_steps):
+        b = batches[step % 4]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss, st = forward(b["input_ids"], b["loss_mask"], b["doc_ids"], b["positions"],
+                               b["aux"], b["final"], masks=masks[step % 4])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.draft.parameters(), 0.5, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        stats.append(st.detach())
+    last = stats_dict(torch.stack(stats[-8:]).sum(0), args.ttt_steps)
+    return {"losses": torch.stack(losses).tolist(), "last8_train_acc": last["acc"],
+            "last8_sim_accept": last["sim_accept"]}
 
 
 def count_syncs(fn) -> int:
@@ -298,6 +404,8 @@ def run_config(args, name: str, device: torch.device, results: dict) -> dict:
         return {"skipped": "torch.compile rows run on CUDA only"}
     if name in ("flex", "flex+compile"):
         return attempt(lambda: run(args, device, name == "flex+compile", False), name)
+    if name == "curve":
+        return attempt(lambda: loss_curve(args, device), name)
     if name == "loader":
         out = attempt(lambda: run(args, device, best == "flex+compile", True), name)
         return {"config": best, **out}
@@ -310,11 +418,6 @@ def run_config(args, name: str, device: torch.device, results: dict) -> dict:
                                          / timed[best]["tokens_per_s_per_gpu"])
         return {"config": best, **out}
     return {"error": f"unknown config {name!r}"}
-    path = Path(args.out) / "bench_train.json"
-    path.write_text(json.dumps(results, indent=2))
-    print(report(results))
-    print(f"results: {path}")
-    return 0
 
 
 def attempt(fn, name: str) -> dict:
@@ -346,6 +449,15 @@ def report(results: dict) -> str:
         cells = [fmt.format(r[key]) if r.get(key) is not None else "-"
                  for key, _, fmt in columns]
         lines.append(f"{name:<14}" + "".join(f"{c:>11}" for c in cells))
+    for name, r in results["configs"].items():
+        if "losses" in r:
+            lines.append(f"{name}: loss at steps 0/30/60/last "
+                         f"{[round(r['losses'][i], 4) for i in (0, 30, 60, -1) if i < len(r['losses'])]}")
+        if "profile" in r:
+            prof = r["profile"]
+            lines.append(f"{name} profile: wall {prof['step_wall_ms']:.1f} ms/step, kernels "
+                         f"{prof['kernel_ms']:.1f}, GEMM {prof['gemm_tflops']:.0f} TFLOP/s")
+            lines += [f"  {cat:<26}{ms:8.1f} ms" for cat, ms in prof["by_class_ms"].items()]
     return "\n".join(lines)
 
 

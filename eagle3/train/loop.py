@@ -70,7 +70,8 @@ class TrainConfig:
     attention: str = arg("auto", "TTT attention: flex (fused kernel, CUDA) or naive "
                                  "(materialised scores); auto = flex on cuda, naive on cpu",
                          choices=["auto", "flex", "naive"])
-    compile: bool = arg(False, "torch.compile the TTT forward (CUDA; first steps compile)")
+    compile: bool | None = arg(None, "torch.compile the TTT forward (the first steps compile; "
+                                     "None = on for cuda, off for cpu; --no-compile = eager)")
     tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
     sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
                                            "capture layers whose first index is not 2)")
@@ -137,6 +138,7 @@ class Runtime:
     dist: DistInfo
     bf16: bool
     attention: str
+    compile: bool  # the training forward runs under torch.compile
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
@@ -146,7 +148,10 @@ def build_runtime(cfg: TrainConfig, device: torch.device, dist: DistInfo) -> Run
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     attention = cfg.attention if cfg.attention != "auto" else (
         "flex" if device.type == "cuda" else "naive")
-    return Runtime(device, dist, bf16, attention)
+    # compiled is the fast path on CUDA (BENCHMARKS.md, training step); on CPU it only costs
+    # compile time
+    compile_forward = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    return Runtime(device, dist, bf16, attention, compile_forward)
 
 
 def build_optimizer(draft: Eagle3Draft, cfg: TrainConfig, device: torch.device):
@@ -258,7 +263,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     optimizer = build_optimizer(draft, cfg, rt.device)
     state, window_saved = _maybe_resume(cfg, out_dir, draft, optimizer, plan)
     ddp = distributed.wrap(model, rt.dist, rt.device)
-    forward = torch.compile(ddp) if cfg.compile else ddp
+    forward = torch.compile(ddp) if rt.compile else ddp
     metrics = MetricsLog(out_dir, rt.dist.is_main, state.step, cfg.tensorboard)
     rows = [r for s in range(state.step, num_steps) for r in plan.rows_for(s, rt.dist.rank)]
     feed = DevicePrefetcher(make_loader(PackedRows(data.train_files, rows, width,
@@ -270,9 +275,9 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     clock = {"t": time.perf_counter(), "wait": 0.0, "start_step": state.step, "last_eval": {},
              "history": []}
     log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d, "
-             "%s attention", num_steps, cfg.epochs, plan.rows_per_step, width,
+             "%s attention, %s", num_steps, cfg.epochs, plan.rows_per_step, width,
              100 * plan.padding_share(data.train_lengths, width, cfg.max_seq_len), warmup,
-             rt.attention)
+             rt.attention, "compiled" if rt.compile else "eager")
     for step in range(state.step, num_steps + 1):
         last_step = step == num_steps
         lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)

@@ -59,3 +59,23 @@ def test_bench_train_gpu_runs_its_cpu_smoke(tmp_path):
     out = _run(["benchmarks/bench_train_gpu.py", "--device", "cpu", "--tiny", "--steps", "3",
                 "--warmup", "1", "--seq", "256"], tmp_path)
     assert "tok/s" in out
+
+
+def test_bench_train_gpu_curve_config_records_one_loss_per_step(tmp_path):
+    out = _run(["benchmarks/bench_train_gpu.py", "--device", "cpu", "--tiny", "--seq", "256",
+                "--configs", "curve", "--curve-steps", "3", "--out", str(tmp_path)], tmp_path)
+    assert "curve: loss at steps" in out
+    import json
+    curve = json.loads((tmp_path / "bench_train.json").read_text())["configs"]["curve"]
+    assert len(curve["losses"]) == 3 and all(x > 0 for x in curve["losses"])
+
+
+def test_bench_train_stage_times_the_loop_with_eval_and_checkpoint(tmp_path):
+    out = _run(["benchmarks/bench_train_stage.py", "--device", "cpu", "--tiny", "--steps", "4",
+                "--row", "256", "--sample-tokens", "128", "--num-workers", "0",
+                "--out", str(tmp_path)], tmp_path)
+    assert '"stage_tok_s_this_run"' in out
+    import json
+    result = json.loads((tmp_path / "bench_train_stage.json").read_text())
+    assert result["tokens"] == 4 * 256 and len(result["save_s"]) == 1
+    assert len(result["eval_s"]) == 2  # at step 0 and at the end

@@ -42,6 +42,18 @@ def test_row_width_refuses_pack_tokens_below_the_longest_sample():
         row_width(512, 200, 300)
 
 
+def test_training_forward_is_compiled_by_default_on_cuda_only_and_no_compile_turns_it_off():
+    from eagle3.train.distributed import DistInfo
+    from eagle3.train.loop import TrainConfig, build_runtime
+
+    def compiled(device: str, **kw) -> bool:
+        cfg = TrainConfig(target=Path("t"), **kw)
+        return build_runtime(cfg, torch.device(device), DistInfo()).compile
+
+    assert compiled("cuda") and not compiled("cpu")
+    assert not compiled("cuda", compile=False) and compiled("cpu", compile=True)
+
+
 # ---------------------------------------------------------------- loss alignment
 
 
