@@ -30,9 +30,9 @@ from eagle3.prepare.runner import RenderSettings, open_run, run_prepare
 from eagle3.core.progress import format_summary, human_bytes, human_seconds
 from eagle3.prepare.recipes import RecipeError, load_recipe
 from eagle3.prepare.sources import SourceError, describe, open_source
-from eagle3.core.stage import open_stage
+from eagle3.core.stage import STAGE_DIRS, open_stage
 
-STAGE = "01_prepared"
+STAGE = STAGE_DIRS["01"]
 
 
 @dataclass

@@ -47,11 +47,12 @@ from eagle3.generate.runner import Interrupted, RunnerConfig, connect, run_remot
 from eagle3.core.progress import format_summary, human_bytes, human_seconds, progress
 from eagle3.core.records import JsonlAppender, read_jsonl
 from eagle3.core.server import RetryPolicy, ServerError, ServerPool
-from eagle3.core.stage import Quarantine, atomic_write_json, open_stage, require_upstream
+from eagle3.core.stage import (STAGE_DIRS, Quarantine, atomic_write_json, open_stage,
+                               require_upstream)
 from eagle3.core.target import load_hf_model, load_tokenizer
 
-STAGE = "01b_generated"
-UPSTREAM = "01_prepared"
+STAGE = STAGE_DIRS["01b"]
+UPSTREAM = STAGE_DIRS["01"]
 
 
 @dataclass

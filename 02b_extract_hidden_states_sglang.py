@@ -44,11 +44,11 @@ from eagle3.core.hidden_states import DTYPES, bytes_per_token
 from eagle3.core.progress import format_summary
 from eagle3.core.records import read_jsonl
 from eagle3.extract.sglang_dump import DEFAULT_RID_PREFIX
-from eagle3.core.stage import open_stage, require_upstream
+from eagle3.core.stage import STAGE_DIRS, open_stage, require_upstream
 from eagle3.core.target import default_capture_layers, load_hf_model, read_target_info
 
-STAGE = "02b_hidden_states"
-UPSTREAM = "01c_merged"
+STAGE = STAGE_DIRS["02b"]
+UPSTREAM = STAGE_DIRS["merge"]
 
 
 @dataclass

@@ -22,17 +22,13 @@ from pathlib import Path
 from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
 from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.core.records import count_jsonl
-from eagle3.core.stage import (
-    atomic_save_safetensors,
-    atomic_write_json,
-    open_stage,
-    require_upstream,
-)
+from eagle3.core.stage import (STAGE_DIRS, atomic_save_safetensors, atomic_write_json, open_stage,
+                               require_upstream)
 from eagle3.core.target import load_tokenizer, read_target_info
 from eagle3.vocab.mapping import build_mapping, count_supervised, report, select_hot_ids
 
-STAGE = "03_vocab"
-UPSTREAM = "01c_merged"
+STAGE = STAGE_DIRS["03"]
+UPSTREAM = STAGE_DIRS["merge"]
 
 
 @dataclass

@@ -26,22 +26,23 @@ from safetensors.torch import load_file
 from eagle3.train import distributed
 from eagle3.core.cli import config_dict, parse_config, setup_logging
 from eagle3.train.data import list_files, sample_lengths
-from eagle3.draft.export import describe_layers, export_sglang, layer_ids_for
+from eagle3.draft.export import export_sglang
+from eagle3.draft.layers import describe_layers, layer_ids_for
 from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.draft.speculators import export_speculators
-from eagle3.core.stage import open_stage, read_manifest, require_upstream
+from eagle3.core.stage import STAGE_DIRS, open_stage, read_manifest, require_upstream
 from eagle3.core.target import load_embedding, load_lm_head, read_target_info
 from eagle3.train.loop import (TrainConfig, TrainData, build_draft, build_draft_config,
                           build_runtime, train)
 from eagle3.train.log import plot_metrics
 from eagle3.vocab.mapping import hot_ids_from_d2t
 
-STAGE = "04_train"
+STAGE = STAGE_DIRS["04"]
 
 
 def load_data(cfg: TrainConfig, stage_dir, is_main: bool) -> TrainData:
     """File lists and token counts of both splits (counted once, cached in the stage folder)."""
-    root = cfg.workdir / "02b_hidden_states"
+    root = cfg.workdir / STAGE_DIRS["02b"]
     out = {}
     if not is_main:
         distributed.barrier()  # rank 0 counts first; the others read its cache
@@ -61,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     dist_info = distributed.env_dist_info()  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK
     setup_logging(cfg.log_level if dist_info.is_main else "WARNING")
     device = distributed.init(dist_info, cfg.device)
-    hs_manifest = require_upstream(cfg.workdir / "02b_hidden_states", cfg.allow_partial) or {}
-    require_upstream(cfg.workdir / "03_vocab", cfg.allow_partial)
+    hs_manifest = require_upstream(cfg.workdir / STAGE_DIRS["02b"], cfg.allow_partial) or {}
+    require_upstream(cfg.workdir / STAGE_DIRS["03"], cfg.allow_partial)
     capture_layers = hs_manifest.get("capture_layers")
     if not capture_layers:
         raise SystemExit("02b_hidden_states/manifest.json names no capture_layers: re-run 02b")
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     stage_dir = cfg.workdir / STAGE
     info = read_target_info(cfg.target)
-    mapping = load_file(str(cfg.workdir / "03_vocab" / "vocab_mapping.safetensors"))
+    mapping = load_file(str(cfg.workdir / STAGE_DIRS["03"] / "vocab_mapping.safetensors"))
     dcfg = build_draft_config(cfg, info, mapping["d2t"].numel(), capture_layers)
     draft = build_draft(dcfg, cfg.seed, mapping["d2t"], mapping["t2d"])
     teacher = load_lm_head(cfg.target, hot_ids_from_d2t(mapping["d2t"]))  # [draft_vocab, Ht]
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     export_sglang(draft.cpu(), stage_dir / "final", cfg.sglang_version)
     export_speculators(draft, stage_dir / "final_speculators", str(cfg.target), cfg.ttt_steps)
     plots = plot_metrics(stage_dir / "metrics.jsonl", stage_dir / "plots")
-    for name in ("02b_hidden_states", "03_vocab"):
+    for name in (STAGE_DIRS["02b"], STAGE_DIRS["03"]):
         stage.add_input(cfg.workdir / name)
     stage.finish(outputs={"final": str(stage_dir / "final"), **summary},
                  extra={"draft_config": dcfg.to_dict(), "world_size": dist_info.world})

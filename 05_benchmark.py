@@ -37,17 +37,19 @@ from eagle3.bench.report import report_markdown, summary_rows, write_plots
 from eagle3.core.chat import ChatRenderer
 from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
 from eagle3.core.launcher import LaunchedServer, sglang_command
-from eagle3.bench.preflight import (PreflightError, check_baseline_server, check_draft_for_run,
-                              check_server_pair, check_speculative_server, check_streaming,
-                              raise_on_errors, read_draft_config)
+from eagle3.bench.preflight import (check_baseline_server, check_server_pair,
+                                    check_speculative_server, check_streaming)
+from eagle3.core.preflight import PreflightError, raise_on_errors
+from eagle3.draft.check import check_draft_for_run, read_draft_config
 from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.bench.prompts import EVAL_SET, load_prompt_set
 from eagle3.core.records import JsonlAppender
 from eagle3.core.server import get_server_info
-from eagle3.core.stage import atomic_write_bytes, atomic_write_json, open_stage, require_upstream
+from eagle3.core.stage import (STAGE_DIRS, atomic_write_bytes, atomic_write_json, open_stage,
+                               require_upstream)
 from eagle3.core.target import load_tokenizer
 
-STAGE = "05_benchmark"
+STAGE = STAGE_DIRS["05"]
 SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
                 "--speculative-num-draft-tokens 4")
 
@@ -100,13 +102,13 @@ class BenchmarkConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(BenchmarkConfig, argv, __doc__)
     setup_logging(cfg.log_level)
-    draft_dir = cfg.draft or cfg.workdir / "04_train" / "final"
+    draft_dir = cfg.draft or cfg.workdir / STAGE_DIRS["04"] / "final"
     if cfg.check_only:
         return check_only(cfg, draft_dir)
     if EVAL_SET in cfg.prompt_sets:
-        require_upstream(cfg.workdir / "01c_merged", cfg.allow_partial)
+        require_upstream(cfg.workdir / STAGE_DIRS["merge"], cfg.allow_partial)
     if cfg.draft is None:
-        require_upstream(cfg.workdir / "04_train", cfg.allow_partial)
+        require_upstream(cfg.workdir / STAGE_DIRS["04"], cfg.allow_partial)
     problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, cfg.sglang_version)
     raise_on_errors(problems, f"draft {draft_dir}")  # before any folder is made or server started
     stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     renderer = ChatRenderer(load_tokenizer(cfg.target)) if cfg.target else None
     sets = [load_prompt_set(s, cfg.workdir, renderer, cfg.num_prompts) for s in cfg.prompt_sets]
     if EVAL_SET in cfg.prompt_sets:
-        stage.add_input(cfg.workdir / "01c_merged" / "eval.jsonl")
+        stage.add_input(cfg.workdir / STAGE_DIRS["merge"] / "eval.jsonl")
     run = run_hf if cfg.backend == "hf" else run_sglang
     results = {"backend": cfg.backend, "draft": str(draft_dir), "layers": layers,
                "preflight": [str(p) for p in problems],

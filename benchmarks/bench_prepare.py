@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from reference.stages import script_module
+from eagle3.core.stage import STAGE_DIRS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,7 +154,7 @@ def raw_tokenizer(target: Path, workdir: Path) -> dict:
     renderer = ChatRenderer(tok, {"thinking": True})
     seconds, tokens, n = 0.0, 0, 0
     batch: list[str] = []
-    for path in sorted((workdir / "01_prepared").glob("*/conversations.jsonl")):
+    for path in sorted((workdir / STAGE_DIRS["01"]).glob("*/conversations.jsonl")):
         for conv in read_jsonl(path):
             batch += [s.text for s in renderer.samples(conv["messages"], conv.get("tools"))]
             if len(batch) >= 2000:

@@ -28,12 +28,12 @@ from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
 from eagle3.prepare.merge import SourcePolicy, apply_policies, dedupe, format_stats_table
 from eagle3.prepare.merge import scan, split_and_shuffle, write_split
 from eagle3.core.progress import format_summary, human_bytes, human_seconds
-from eagle3.core.stage import Quarantine, atomic_write_json, open_stage, read_manifest
+from eagle3.core.stage import STAGE_DIRS, Quarantine, atomic_write_json, open_stage, read_manifest
 from eagle3.core.stage import require_upstream
 
-STAGE = "01c_merged"
-UPSTREAM = "01b_generated"
-RECIPE_STAGE = "01_prepared"
+STAGE = STAGE_DIRS["merge"]
+UPSTREAM = STAGE_DIRS["01b"]
+RECIPE_STAGE = STAGE_DIRS["01"]
 log = logging.getLogger("merge_and_shuffle")
 
 

@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from eagle3.bench.evaluate import Eagle3Proposer
-from eagle3.bench.preflight import (PreflightError, check_draft, check_speculative_server,
-                              raise_on_errors, read_draft_config)
+from eagle3.bench.preflight import check_speculative_server
+from eagle3.core.preflight import PreflightError, raise_on_errors
+from eagle3.draft.check import check_draft, read_draft_config
 
 CONTROLS = ("final_state", "shifted_layers")
 

@@ -28,7 +28,6 @@ from eagle3.bench.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_
                              speculative_decode)
 from eagle3.draft.export import load_draft
 from eagle3.core.progress import progress
-from eagle3.core.records import read_jsonl
 from eagle3.core.stage import atomic_write_json
 from eagle3.core.target import load_embedding, load_hf_model, load_tokenizer
 from reference.controls import (FinalStateProposer, final_state_layers, layer_similarity,
@@ -49,11 +48,6 @@ class EvalSpec:
     num_prompts: int = 16
     max_new_tokens: int = 160
     control: str = ""  # "" | "final_state" | "shifted_layers" (reference.controls)
-
-
-def load_prompts(eval_jsonl: Path) -> list[list[int]]:
-    """Serving prompts of merged records, as stage 05 takes them (ids before the reply)."""
-    return [r["input_ids"][: r["n_prompt_tokens"]] for r in read_jsonl(eval_jsonl)]
 
 
 class DraftEvaluator:

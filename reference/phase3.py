@@ -16,9 +16,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from eagle3.core.stage import atomic_write_json, read_manifest
+from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
 from reference.parallel import JobPool
-from reference.stages import ROOT, SCRIPTS, STAGE_DIRS, export_checkpoint
+from reference.stages import ROOT, SCRIPTS, export_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Phase3:
         self.limit = max(p.sweep_prompts, p.control_prompts)
         self.sweep = {"num_prompts": p.sweep_prompts, "max_new_tokens": p.sweep_max_new}
         self.spt = s.seconds_per_token()
-        self.accept = expected_acceptance(s.w / "bench_t0" / "05_benchmark" / "results.json")
+        self.accept = expected_acceptance(s.w / "bench_t0" / STAGE_DIRS["05"] / "results.json")
         self.tasks: dict[str, list[str]] = {}  # task -> the jobs it is made of
         self.submitted: list[str] = []  # jobs queued by this run
 
@@ -130,7 +130,7 @@ def run_phase3(s) -> None:
     """`s`: the run's reference.steps.PhaseSteps."""
     from reference.evaluate_drafts import EvalSpec
 
-    p, final = s.p, s.main / "04_train" / "final"
+    p, final = s.p, s.main / STAGE_DIRS["04"] / "final"
     t0 = time.time()
     # 02b first, before any evaluation process starts: its batched forward passes slowed from
     # 49K to 4.6K tok/s beside six of them on the H200, while 04 kept its speed.
@@ -148,7 +148,7 @@ def run_phase3(s) -> None:
             ph.evaluate("controls", EvalSpec(f"control_{name}", final, [3], control=name,
                                              **control), acceptance=1.0)
         ph.bench_t1()
-        root = s.main / "04_train" / "checkpoints"
+        root = s.main / STAGE_DIRS["04"] / "checkpoints"
         for step in intermediate_steps(root):
             draft = s.w / "epochs" / f"step_{step:06d}"
             export_checkpoint(root / f"step_{step:06d}",
@@ -157,12 +157,12 @@ def run_phase3(s) -> None:
             ph.evaluate(f"eval checkpoint {step}", EvalSpec(f"ckpt_{step}", draft, [3], **sweep))
         # Trained here, beside the evaluations; each evaluated once trained.
         s.task("train fp8", s.train_fp8, s.fp8_estimate())
-        if (s.w / "fp8" / "04_train" / "final").is_dir():
-            ph.evaluate("eval fp8", EvalSpec("fp8", s.w / "fp8" / "04_train" / "final", [3, 7],
+        if (s.w / "fp8" / STAGE_DIRS["04"] / "final").is_dir():
+            ph.evaluate("eval fp8", EvalSpec("fp8", s.w / "fp8" / STAGE_DIRS["04"] / "final", [3, 7],
                                              **sweep))
         for n in s.size_counts():
             s.task(f"train size {n}", lambda n=n: s.train_size(n), s.size_estimate(n))
-            draft = s.w / f"size_{n}" / "04_train" / "final"
+            draft = s.w / f"size_{n}" / STAGE_DIRS["04"] / "final"
             if draft.is_dir():
                 ph.evaluate(f"eval size {n}", EvalSpec(f"size_{n}", draft, [3], **sweep))
         ph.record(pool.wait())
@@ -190,9 +190,9 @@ def run_controls(s, results: list[dict]) -> None:
 
     ref, *controls = results
     ref_gain = ref["steps"]["3"]["acceptance_length"] - 1
-    final = s.main / "04_train" / "final"
+    final = s.main / STAGE_DIRS["04"] / "final"
     info = read_target_info(s.target)
-    captures = read_manifest(s.main / "02b_hidden_states")["capture_layers"]
+    captures = read_manifest(s.main / STAGE_DIRS["02b"])["capture_layers"]
     detection = {"final_state": detect_eagle_mistake(final),
                  "shifted_layers": detect_shifted_layers(final, captures, info.hidden_size,
                                                          info.vocab_size, s.w / "controls")}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3.core.progress import human_bytes
 from eagle3.core.records import read_jsonl
-from eagle3.core.stage import atomic_write_bytes, atomic_write_json
+from eagle3.core.stage import STAGE_DIRS, atomic_write_bytes, atomic_write_json
 
 GiB = 2**30
 
@@ -50,7 +50,7 @@ def split_tokens(workdir: Path) -> dict:
     """Tokens of a merged folder: all, and supervised (the target's own reply tokens)."""
     out = {"samples": 0, "tokens": 0, "response_tokens": 0}
     for split in ("train", "eval"):
-        path = Path(workdir) / "01c_merged" / f"{split}.jsonl"
+        path = Path(workdir) / STAGE_DIRS["merge"] / f"{split}.jsonl"
         if path.exists():
             for r in read_jsonl(path):
                 out["samples"] += 1
@@ -68,7 +68,7 @@ def stage_throughput(record: dict, workdir: Path) -> dict:
         tok = split_tokens(workdir)
         if stage == "01b":
             gen = sum(r["n_response_tokens"] for p in
-                      (Path(workdir) / "01b_generated").glob("*/tokenized.jsonl")
+                      (Path(workdir) / STAGE_DIRS["01b"]).glob("*/tokenized.jsonl")
                       for r in read_jsonl(p))
             sets = ((m.get("outputs") or {}).get("datasets") or {}).values()
             out = {"generated_tokens": gen, "generated_tok_s": gen / wall,
@@ -114,7 +114,7 @@ def collect(workdir: Path, profile: str) -> dict:
         record["throughput"] = stage_throughput(record, Path(record["workdir"]))
         if record.get("side_by_side") and record["stage"] == "05":
             # the runner cannot see a subprocess's GPU memory; 05 (hf backend) reports its own
-            results = _read(Path(record["workdir"]) / "05_benchmark" / "results.json") or {}
+            results = _read(Path(record["workdir"]) / STAGE_DIRS["05"] / "results.json") or {}
             record["peak_gpu_bytes"] = results.get("peak_gpu_bytes")
     target = (_read(w / "target" / "reference_target.json") or {}).get("summary")
     sweeps = {p.stem[len("eval_"):]: _strip_ids(_read(p))
@@ -123,10 +123,10 @@ def collect(workdir: Path, profile: str) -> dict:
     return {"profile": profile, "environment": environment(),
             "corpus": _read(w / "corpus" / "corpus.json"), "target": target,
             "data": {"main": split_tokens(w / "main")}, "stages": stages,
-            "bench": {t: bench_summary(_read(w / f"bench_{t}" / "05_benchmark" / "results.json"))
+            "bench": {t: bench_summary(_read(w / f"bench_{t}" / STAGE_DIRS["05"] / "results.json"))
                       for t in ("t0", "t1")},
             "sweeps": sweeps, "baselines": baselines, "controls": _read(res / "controls.json"),
-            "epoch_metrics": _epoch_metrics(w / "main" / "04_train" / "metrics.jsonl"),
+            "epoch_metrics": _epoch_metrics(w / "main" / STAGE_DIRS["04"] / "metrics.jsonl"),
             "state": _read(res / "state.json")}
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.core.stage import MANIFEST, atomic_write_json, read_manifest
+from eagle3.core.stage import MANIFEST, STAGE_DIRS, atomic_write_json, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"01": "01_prepare_datasets.py", "01b": "01b_generate_synthetic.py",
            "merge": "datasets/merge_and_shuffle.py", "02b": "02b_extract_hidden_states_sglang.py",
            "03": "03_build_vocab_mapping.py", "04": "04_train.py", "05": "05_benchmark.py"}
-STAGE_DIRS = {"01": "01_prepared", "01b": "01b_generated", "merge": "01c_merged",
-              "02b": "02b_hidden_states", "03": "03_vocab", "04": "04_train", "05": "05_benchmark"}
 _MODULES: dict[str, object] = {}
 
 

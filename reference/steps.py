@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from eagle3.core.records import count_jsonl
-from eagle3.core.stage import atomic_write_json, read_manifest
+from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
 from reference import build_corpus, train_target
 from reference.stages import StageRunner, linked_workdir, subset_workdir
 
@@ -157,7 +157,7 @@ class PhaseSteps:
         return ["--target", self.target, "--draft-vocab", self.p.draft_vocab]
 
     def bench_args(self, temperature: float, prompts: int) -> list:
-        return ["--target", self.target, "--draft", self.main / "04_train" / "final",
+        return ["--target", self.target, "--draft", self.main / STAGE_DIRS["04"] / "final",
                 "--backend", "hf", "--prompt-sets", self.heldout_prompts, "--num-prompts",
                 prompts, "--max-new-tokens", self.p.bench_max_new, "--temperature", temperature,
                 "--seed", 0, "--steps", *BENCH_STEPS, "--device", self.p.device, "--dtype",
@@ -181,7 +181,7 @@ class PhaseSteps:
         from eagle3.core.records import read_jsonl
 
         tokens = sum(min(r["seq_len"], self.p.train_max_seq_len)
-                     for r in read_jsonl(Path(workdir) / "01c_merged" / "train.jsonl"))
+                     for r in read_jsonl(Path(workdir) / STAGE_DIRS["merge"] / "train.jsonl"))
         return max(1, tokens // self.p.pack_tokens)
 
     def train_args(self, workdir: Path) -> list:
@@ -200,7 +200,7 @@ class PhaseSteps:
                 "--dtype", dtype, *self.p.extract]
 
     def phase2(self) -> None:
-        self._require(self.main / "01c_merged", 1)
+        self._require(self.main / STAGE_DIRS["merge"], 1)
         r = self.runner
         r.run("02b main (bf16)", "02b", self.main, self.extract_args("bf16"))
         r.run("03 main", "03", self.main, self.vocab_args())
@@ -220,14 +220,14 @@ class PhaseSteps:
         return self._per_sample_s() * n + 30
 
     def n_train(self) -> int:
-        return count_jsonl(self.main / "01c_merged" / "train.jsonl")
+        return count_jsonl(self.main / STAGE_DIRS["merge"] / "train.jsonl")
 
     def size_counts(self) -> list[int]:
         return sorted({max(4, int(f * self.n_train())) for f in self.p.size_fractions})
 
     def fp8_workdir(self) -> Path:
-        return linked_workdir(self.w / "fp8", {"01c_merged": self.main / "01c_merged",
-                                               "03_vocab": self.main / "03_vocab"})
+        return linked_workdir(self.w / "fp8", {"01c_merged": self.main / STAGE_DIRS["merge"],
+                                               STAGE_DIRS["03"]: self.main / STAGE_DIRS["03"]})
 
     def size_workdir(self, n: int) -> Path:
         return subset_workdir(self.main, self.w / f"size_{n}", n)
@@ -257,7 +257,7 @@ class PhaseSteps:
 
     @property
     def heldout_prompts(self) -> Path:
-        return (self.heldout / "01_prepared" / build_corpus.DATASET_HELDOUT
+        return (self.heldout / STAGE_DIRS["01"] / build_corpus.DATASET_HELDOUT
                 / "conversations.jsonl")
 
     @property
@@ -290,13 +290,13 @@ class PhaseSteps:
     def bench_workdir(self, tag: str) -> Path:
         """The work folder of one 05 run, its upstream stages linked to the main run's."""
         return linked_workdir(self.w / f"bench_{tag}", {
-            "01c_merged": self.main / "01c_merged",
-            "02b_hidden_states": self.main / "02b_hidden_states"})
+            STAGE_DIRS["merge"]: self.main / STAGE_DIRS["merge"],
+            STAGE_DIRS["02b"]: self.main / STAGE_DIRS["02b"]})
 
     # ------------------------------------------------------------ phase 3
 
     def phase3(self) -> None:
         from reference.phase3 import run_phase3
 
-        self._require(self.main / "04_train", 2)
+        self._require(self.main / STAGE_DIRS["04"], 2)
         run_phase3(self)

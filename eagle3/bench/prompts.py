@@ -25,6 +25,7 @@ from pathlib import Path
 
 from eagle3.core.chat import split_for_generation
 from eagle3.core.records import read_jsonl
+from eagle3.core.stage import STAGE_DIRS
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 BUILTIN_SETS = ("chat", "code", "math", "tools")
@@ -45,7 +46,7 @@ class PromptSet:
 def prompt_set_path(spec: str, workdir: Path) -> Path:
     """The JSONL file behind a prompt-set name or path."""
     if spec == EVAL_SET:
-        return Path(workdir) / "01c_merged" / "eval.jsonl"
+        return Path(workdir) / STAGE_DIRS["merge"] / "eval.jsonl"
     if spec in BUILTIN_SETS:
         return PROMPTS_DIR / f"{spec}.jsonl"
     path = Path(spec)

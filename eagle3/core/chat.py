@@ -32,7 +32,7 @@ import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -334,9 +334,3 @@ def split_for_generation(messages: list[dict]) -> tuple[list[dict], dict | None]
     if messages and messages[-1].get("role") == "assistant":
         return messages[:-1], messages[-1]
     return messages, None
-
-
-def iter_samples(renderer: ChatRenderer, conversations: list[dict]) -> Iterator[Sample]:
-    """All samples of several conversation records (benchmarks, tests)."""
-    for conv in conversations:
-        yield from renderer.samples(conv["messages"], conv.get("tools"))

@@ -20,10 +20,11 @@ under FILE_OVERHEAD_BYTES per file (torch.save's zip records). Kimi-K2.5 (H = 71
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from eagle3.core.stage import atomic_writer
 
 log = logging.getLogger(__name__)
 
@@ -140,19 +141,9 @@ def save(data: dict, path: Path) -> int:
     torch.save goes straight to the temp file (no in-memory copy of a file that can reach
     470 MB); a killed writer leaves only a `.data_*.tmp` file, which resume deletes.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(data):x}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_writer(path) as f:
+        torch.save(data, f)
+        size = f.tell()
     return size
 
 

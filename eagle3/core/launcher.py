@@ -23,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
-from eagle3.core.server import ServerError, get_json
+from eagle3.core.server import ServerError, ServerExitedError, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +75,18 @@ class LaunchedServer:
         self.stop()
 
     async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
         async with aiohttp.ClientSession() as session:
-            while True:
-                if self.proc.poll() is not None:
-                    raise LaunchError(f"the server exited with status {self.proc.returncode} "
-                                      f"before it was ready; end of {self.log_path}:\n"
-                                      f"{log_tail(self.log_path)}")
-                try:
-                    await get_json(session, self.url, ("/model_info", "/get_model_info"), 5.0)
-                    return
-                except ServerError:
-                    if time.monotonic() > deadline:
-                        raise LaunchError(f"{self.url} not ready after {self.ready_timeout_s:.0f}"
-                                          f"s; end of {self.log_path}:\n"
-                                          f"{log_tail(self.log_path)}") from None
-                    await asyncio.sleep(1.0)
+            try:
+                await wait_ready(session, self.url, timeout_s=self.ready_timeout_s, poll_s=1.0,
+                                 request_timeout_s=5.0, process=self.proc)
+            except ServerExitedError:
+                raise LaunchError(f"the server exited with status {self.proc.returncode} "
+                                  f"before it was ready; end of {self.log_path}:\n"
+                                  f"{log_tail(self.log_path)}") from None
+            except ServerError:
+                raise LaunchError(f"{self.url} not ready after {self.ready_timeout_s:.0f}"
+                                  f"s; end of {self.log_path}:\n"
+                                  f"{log_tail(self.log_path)}") from None
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL if it lingers."""

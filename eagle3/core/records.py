@@ -143,19 +143,3 @@ def validate_tokenized(rec: dict) -> dict:
     if sum(rec["loss_mask"]) == 0:
         raise RecordError(f"record {rid}: no supervised token (loss_mask all 0)")
     return rec
-
-
-def validate_conversation(rec: dict) -> dict:
-    """Check a conversation record (01 output); returns it or raises RecordError naming it."""
-    rid = rec.get("id")
-    if not rid or not isinstance(rid, str):
-        raise RecordError(f"record without a string id: {str(rec)[:80]}")
-    msgs = rec.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RecordError(f"record {rid}: messages missing or empty")
-    for i, m in enumerate(msgs):
-        if m.get("role") not in ROLES:
-            raise RecordError(f"record {rid}: message {i} has unknown role {m.get('role')!r}")
-    if not any(m["role"] == "user" for m in msgs):
-        raise RecordError(f"record {rid}: no user message")
-    return rec

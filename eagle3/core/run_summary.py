@@ -10,25 +10,24 @@ import sys
 from pathlib import Path
 
 from eagle3.core.progress import human_bytes
-from eagle3.core.stage import read_manifest
+from eagle3.core.stage import STAGE_DIRS, read_manifest
 
-STAGES = ("01_prepared", "01b_generated", "01c_merged", "02b_hidden_states", "03_vocab",
-          "04_train", "05_benchmark")
+STAGES = tuple(STAGE_DIRS.values())  # in pipeline order
 
 
 def _outputs(stage: str, m: dict) -> str:
     out = m.get("outputs", {})
-    if stage in ("01_prepared", "01b_generated"):
+    if stage in (STAGE_DIRS["01"], STAGE_DIRS["01b"]):
         return ", ".join(f"{k}: {v['records']}" for k, v in out.get("datasets", {}).items())
-    if stage == "01c_merged":
+    if stage == STAGE_DIRS["merge"]:
         return f"train {out.get('train')}, eval {out.get('eval')}"
-    if stage == "02b_hidden_states":
+    if stage == STAGE_DIRS["02b"]:
         return ", ".join(f"{k}: {v['samples']}" for k, v in out.items())
-    if stage == "03_vocab":
+    if stage == STAGE_DIRS["03"]:
         return f"draft vocab {out.get('draft_vocab')}, coverage {out.get('coverage', 0):.3f}"
-    if stage == "04_train":
+    if stage == STAGE_DIRS["04"]:
         return f"{out.get('num_steps')} steps, eval sim-accept {out.get('eval_sim_accept', 0):.2f}"
-    if stage == "05_benchmark":
+    if stage == STAGE_DIRS["05"]:
         return ", ".join(f"acceptance length @{k} steps: {v:.3f}" for k, v in out.items())
     return json.dumps(out)[:60]
 

@@ -216,19 +216,39 @@ async def get_server_info(session: aiohttp.ClientSession, base_url: str) -> dict
     return await get_json(session, base_url, ("/server_info", "/get_server_info"))
 
 
-async def wait_ready(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 1800.0,
-                     poll_s: float = 5.0,
-                     paths: tuple[str, ...] = ("/model_info", "/get_model_info"),
-                     headers: dict | None = None) -> dict:
-    """Poll `paths` (SGLang: `/model_info`) until the server answers; returns the answer.
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")  # SGLang readiness (newer name first)
 
-    Never calls `/health`, which on SGLang runs a real generation.
+
+class ServerExitedError(ServerError):
+    """The server process being waited for exited before it answered."""
+
+
+async def wait_ready(session: aiohttp.ClientSession, base_url: str,
+                     paths: tuple[str, ...] = MODEL_INFO_PATHS, timeout_s: float = 1800.0,
+                     poll_s: float = 5.0, *, request_timeout_s: float | None = None,
+                     headers: dict | None = None, process=None,
+                     any_status: bool = False) -> dict:
+    """Poll `paths` (SGLang: `/model_info`) every `poll_s` until the server answers.
+
+    Returns the first 200 answer; with `any_status`, any HTTP answer on `paths[0]` counts (the
+    process is up; the answer is then `{}`). `process` (a `subprocess.Popen`) is watched: its
+    exit raises ServerExitedError at once instead of waiting out `timeout_s` (`math.inf`: wait
+    for ever). Each attempt times out after `request_timeout_s` (default `poll_s`). Never calls
+    `/health` on SGLang, which runs a real generation.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    attempt_s = poll_s if request_timeout_s is None else request_timeout_s
     while True:
+        if process is not None and process.poll() is not None:
+            raise ServerExitedError(f"{base_url}: the server exited with status "
+                                    f"{process.returncode} before it was ready")
         try:
-            return await get_json(session, base_url, paths, timeout_s=poll_s, headers=headers)
+            if any_status:
+                if await is_reachable(session, base_url, paths[0], attempt_s):
+                    return {}
+                raise ServerError(f"{base_url}{paths[0]}: no HTTP answer")
+            return await get_json(session, base_url, paths, timeout_s=attempt_s, headers=headers)
         except ServerError as e:
             if loop.time() > deadline:
                 raise ServerError(f"{base_url} not ready after {timeout_s:.0f}s: {e}") from e

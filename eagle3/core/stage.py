@@ -8,7 +8,6 @@ Every stage writes into `<workdir>/<stage folder>/` and ends by writing `manifes
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -30,15 +29,27 @@ class StageError(RuntimeError):
     """A stage cannot run as asked; the message says which folder or flag and the fix."""
 
 
+# The stage folders under the workdir (PIPELINE.md, "Stages and what they exchange"), keyed by the
+# stage's short name as the scripts are numbered; every script and report looks its folder up here.
+STAGE_DIRS = {"01": "01_prepared", "01b": "01b_generated", "merge": "01c_merged",
+              "02b": "02b_hidden_states", "03": "03_vocab", "04": "04_train", "05": "05_benchmark"}
+
+
 # ---------------------------------------------------------------- atomic writes
 
 
+# The one home of atomic writes (temp file in the same folder, fsync, rename). The exception is
+# eagle3/extract/sglang_dump.py, which runs inside SGLang and imports nothing from eagle3.
+
+
 @contextmanager
-def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+def atomic_writer(path: Path, keep_mode: bool = False) -> Iterator[BinaryIO]:
     """A binary file whose content replaces `path` only if the block ends without error.
 
     The streaming counterpart of `atomic_write_bytes` (temp file in the same folder, fsync,
-    rename), for outputs too large to hold in memory.
+    rename), for outputs too large to hold in memory. A killed writer leaves only a
+    `.<name>.*.tmp` file. `keep_mode`: the new file keeps the old one's permissions (a new file
+    gets the umask default instead of the temp file's 0600).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,10 +59,21 @@ def atomic_writer(path: Path) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if keep_mode:
+            _copy_mode(path, Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _copy_mode(src: Path, dst: Path) -> None:
+    if src.exists():
+        shutil.copymode(src, dst)
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(dst, 0o666 & ~umask)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -75,9 +97,8 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     """`torch.save` made atomic (temp file + rename)."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    with atomic_writer(path) as f:
+        torch.save(obj, f)
 
 
 # ---------------------------------------------------------------- hashing and inputs

@@ -1,10 +1,7 @@
-"""The SGLang-loadable draft folder (PIPELINE.md, "Draft checkpoint") and the layer-id rule.
+"""The SGLang-loadable draft folder (PIPELINE.md, "Draft checkpoint").
 
-SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and turns them into capture
-indices: releases 0.5.4.post2 to 0.5.12 always add 1; from 0.5.13 it adds 1 only when the first
-id is 1. Writing "capture index - 1" ([1, 29, 57] for captures [2, 30, 58]) therefore names the
-same captures on every release, as long as the first capture is 2 (SGLang's default); other
-layouts depend on the release and are refused unless a release is named.
+Which layer ids config.json names (and which captures each SGLang release reads from them) is
+`eagle3/draft/layers.py`; checking a folder someone else wrote is `eagle3/draft/check.py`.
 """
 
 from __future__ import annotations
@@ -16,13 +13,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.core.stage import atomic_save_safetensors, atomic_write_json
+from eagle3.draft.layers import describe_layers, layer_ids_for, sglang_capture_layers
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 log = logging.getLogger(__name__)
-
-OLD_RULE = ((0, 5, 4), (0, 5, 12))  # releases that always add 1 (0.5.4.post2 .. 0.5.12)
-NEW_RULE_FROM = (0, 5, 13)  # first release that adds 1 only when the first id is 1
 
 CONFIG_KEYS = frozenset({
     "architectures", "model_type", "hidden_act", "torch_dtype", "hidden_size",
@@ -34,47 +29,6 @@ CONFIG_KEYS = frozenset({
 
 class ExportError(ValueError):
     """A draft that cannot be exported or served as asked; the message says the fix."""
-
-
-def parse_version(version: str) -> tuple[int, int, int]:
-    parts = version.split(".")
-    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts[:3])  # type: ignore
-
-
-def sglang_capture_layers(layer_ids: list[int], version: str) -> list[int]:
-    """The capture indices an SGLang release derives from `eagle_aux_hidden_state_layer_ids`."""
-    v = parse_version(version)
-    if v >= NEW_RULE_FROM:
-        return [i + 1 for i in layer_ids] if layer_ids and layer_ids[0] == 1 else list(layer_ids)
-    if v >= OLD_RULE[0]:
-        return [i + 1 for i in layer_ids]
-    raise ExportError(f"SGLang {version} predates 0.5.4.post2: EAGLE-3 aux layer ids from the "
-                      "draft config are not supported; upgrade SGLang (>= 0.5.10 for Kimi-K2.5)")
-
-
-def layer_ids_for(capture_layers: list[int], sglang_version: str | None = None) -> list[int]:
-    """Ids to write so that SGLang captures `capture_layers`.
-
-    Without a version, the ids must work on every release; with one, for that release only.
-    """
-    candidate = [i - 1 for i in capture_layers]
-    versions = [sglang_version] if sglang_version else ["0.5.12", "0.5.13"]
-    for attempt in (candidate, list(capture_layers)):
-        if all(sglang_capture_layers(attempt, v) == list(capture_layers) for v in versions):
-            return attempt
-    raise ExportError(
-        f"no layer ids make every SGLang release capture {capture_layers} (only a first capture "
-        "layer of 2 is read the same by 0.5.4.post2-0.5.12 and >= 0.5.13): pass "
-        "--sglang-version with the release that will serve the draft"
-    )
-
-
-def describe_layers(layer_ids: list[int]) -> str:
-    """Which capture indices each SGLang rule reads from these ids (for logs and reports)."""
-    old = sglang_capture_layers(layer_ids, "0.5.12")
-    new = sglang_capture_layers(layer_ids, "0.5.13")
-    return (f"eagle_aux_hidden_state_layer_ids={layer_ids}: SGLang 0.5.4.post2-0.5.12 captures "
-            f"{old}, SGLang >= 0.5.13 captures {new} (index i = residual entering layer i)")
 
 
 def sglang_config(cfg: DraftConfig, sglang_version: str | None = None) -> dict:

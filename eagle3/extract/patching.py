@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 import re
-import shutil
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from eagle3.core.stage import atomic_writer
 from eagle3.extract import sglang_dump
 
 logger = logging.getLogger(__name__)
@@ -110,14 +109,8 @@ def _read(path: Path) -> str:
 
 def _write_atomic(path: Path, text: str) -> None:
     """Replace a file's content in one rename, keeping its mode (never a half-written module)."""
-    tmp = path.with_name(f".{path.name}.eagle3-tmp")
-    try:
-        tmp.write_bytes(text.encode("utf-8"))
-        if path.exists():
-            shutil.copymode(path, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_writer(path, keep_mode=True) as f:
+        f.write(text.encode("utf-8"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,13 +52,14 @@ from eagle3.extract.writer import (
     check_disk,
     record_meta,
 )
-from eagle3.bench.preflight import check_dump_server, raise_on_errors
+from eagle3.core.preflight import raise_on_errors
+from eagle3.extract.dump_server import check_dump_server
 from eagle3.core.progress import human_bytes
-from eagle3.core.server import RetryPolicy, ServerError, generate, get_json, get_server_info
+from eagle3.core.server import (MODEL_INFO_PATHS, RetryPolicy, ServerError, generate, get_json,
+                                get_server_info, wait_ready)
 
 log = logging.getLogger(__name__)
 
-MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
 DUMP_BYTES_PER_TOKEN = 8  # x H: aux [T, 3H] + final [T, H], bf16
 SERVER_FLAGS_RECORDED = ("model_path", "tp_size", "disable_radix_cache", "chunked_prefill_size",
                          "max_prefill_tokens", "enable_mixed_chunk", "cuda_graph_backend_prefill",
@@ -368,13 +369,13 @@ class SglangExtractor:
             t0 = time.monotonic()
             log.warning("server %s is not answering; waiting up to %.0fs for it to come back",
                         self.url, self.opts.server_wait_s)
-            deadline = t0 + self.opts.server_wait_s
-            while not await self._is_up():
-                if time.monotonic() > deadline:
-                    raise ExtractError(f"server {self.url} did not come back within "
-                                       f"{self.opts.server_wait_s:.0f}s; restart it and re-run "
-                                       "this command (the stage resumes)")
-                await asyncio.sleep(self.opts.poll_s)
+            try:
+                await wait_ready(self._session, self.url, timeout_s=self.opts.server_wait_s,
+                                 poll_s=self.opts.poll_s, request_timeout_s=30.0)
+            except ServerError:
+                raise ExtractError(f"server {self.url} did not come back within "
+                                   f"{self.opts.server_wait_s:.0f}s; restart it and re-run "
+                                   "this command (the stage resumes)") from None
             info = await get_server_info(self._session, self.url)
             raise_on_errors(check_dump_server(info), f"restarted dump server {self.url}")
             self.restarts += 1

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from eagle3.core.chat import ChatRenderer, RenderError, split_for_generation
-from eagle3.core.records import JsonlAppender, TokenizedRecord, read_jsonl
+from eagle3.core.records import JsonlAppender, TokenizedRecord
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,6 @@ def done_ids(out_dir: Path) -> set[str]:
     out_dir = Path(out_dir)
     return line_ids(out_dir / "tokenized.jsonl") | line_ids(out_dir / "raw.jsonl",
                                                             b'"kept": false}')
-
-
-def existing_ids(path: Path) -> set[str]:
-    """Ids already written to a (possibly torn) output file."""
-    return {r["id"] for r in read_jsonl(path)} if Path(path).exists() else set()
 
 
 def tokenize_kept(conv: dict, renderer: ChatRenderer, max_seq_len: int) -> Iterator[dict]:

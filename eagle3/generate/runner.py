@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -35,7 +36,6 @@ from eagle3.core.server import (
     ServerPool,
     TransientError,
     get_json,
-    is_reachable,
     make_session,
     wait_ready,
 )
@@ -106,8 +106,8 @@ class ServerWatch:
                     "command to resume") from None
 
     async def _probe(self, url: str) -> None:
-        while not await is_reachable(self.session, url, self.probe_path):
-            await asyncio.sleep(self.cfg.poll_s)
+        await wait_ready(self.session, url, (self.probe_path,), math.inf, self.cfg.poll_s,
+                         request_timeout_s=10.0, any_status=True)
         self.pool.down.discard(url)
         self.up.set()
         log.warning("%s is reachable again", url)
@@ -267,11 +267,11 @@ def connect(backend, timeout_s: float, poll_s: float, headers: dict | None = Non
         async with make_session(8) as session:
             for url in backend.pool.urls:
                 if backend.name == "sglang":
-                    info = await wait_ready(session, url, timeout_s, poll_s)
+                    info = await wait_ready(session, url, timeout_s=timeout_s, poll_s=poll_s)
                     log.info("%s ready: %s", url, info.get("model_path", info))
                 else:
-                    await wait_ready(session, url, timeout_s, poll_s,
-                                     paths=("/v1/models", "/health"), headers=headers)
+                    await wait_ready(session, url, ("/v1/models", "/health"), timeout_s, poll_s,
+                                     headers=headers)
             if backend.name == "openai" and not backend.model:
                 models = await get_json(session, backend.pool.urls[0], ("/v1/models",),
                                         headers=headers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3.core.stage import atomic_write_json
+from eagle3.core.stage import STAGE_DIRS, atomic_write_json
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -38,7 +38,7 @@ def synthetic_conversations(n: int, source: str = "synth", long_every: int = 0,
 def write_prepared_stage(workdir: Path, datasets: dict[str, list[dict]],
                          max_seq_len: int = 4096, regenerate: bool = True) -> Path:
     """Write `<workdir>/01_prepared/<name>/conversations.jsonl` and a complete manifest."""
-    stage = Path(workdir) / "01_prepared"
+    stage = Path(workdir) / STAGE_DIRS["01"]
     outputs = {}
     for name, convs in datasets.items():
         (stage / name).mkdir(parents=True, exist_ok=True)
@@ -47,6 +47,6 @@ def write_prepared_stage(workdir: Path, datasets: dict[str, list[dict]],
                 f.write(json.dumps(c) + "\n")
         outputs[name] = {"regenerate": regenerate, "max_seq_len": max_seq_len,
                          "records": len(convs)}
-    atomic_write_json(stage / "manifest.json", {"stage": "01_prepared", "complete": True,
+    atomic_write_json(stage / "manifest.json", {"stage": STAGE_DIRS["01"], "complete": True,
                                                 "outputs": {"datasets": outputs}})
     return stage

@@ -15,7 +15,7 @@ from eagle3.bench.run import (LoadSettings, RequestRecord, combine, measure_serv
                               merge_stream_ids, percentile, summarize_level)
 from eagle3.bench.report import report_markdown
 from eagle3.core.launcher import LaunchedServer, LaunchError, sglang_command
-from eagle3.bench.preflight import PreflightError
+from eagle3.core.preflight import PreflightError
 from eagle3.bench.prompts import BUILTIN_SETS, PromptSet, load_prompt_set
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
 from eagle3.core.server import (
     RetryPolicy,
     ServerError,
+    ServerExitedError,
     ServerPool,
     TransientError,
     generate,
@@ -115,10 +119,29 @@ def test_generate_over_a_pool_retries_on_another_server_when_one_is_down():
 
 def test_wait_ready_returns_model_info_and_times_out_on_a_dead_server():
     with FakeSGLang() as server:
-        assert _run(lambda s: wait_ready(s, server.url, 5, 0.05))["model_path"] == "fake"
+        answer = _run(lambda s: wait_ready(s, server.url, timeout_s=5, poll_s=0.05))
+        assert answer["model_path"] == "fake"
         assert _run(lambda s: get_server_info(s, server.url))["disable_radix_cache"] is True
     with pytest.raises(ServerError, match="not ready after"):
         _run(lambda s: wait_ready(s, _dead_url(), timeout_s=0.3, poll_s=0.1))
+
+
+def test_wait_ready_raises_at_once_when_the_watched_process_exits():
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(ServerExitedError, match="status 3"):
+        _run(lambda s: wait_ready(s, _dead_url(), timeout_s=60, poll_s=0.05, process=proc))
+    assert time.monotonic() - t0 < 10  # did not wait out the 60 s timeout
+
+
+def test_wait_ready_accepts_any_http_status_when_asked():
+    with FakeSGLang() as server:
+        assert _run(lambda s: wait_ready(s, server.url, ("/no-such-path",), timeout_s=5,
+                                         poll_s=0.05, any_status=True)) == {}
+        with pytest.raises(ServerError, match="not ready after"):
+            _run(lambda s: wait_ready(s, server.url, ("/no-such-path",), timeout_s=0.2,
+                                      poll_s=0.05))
 
 
 def test_make_session_allows_the_requested_concurrency():

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from safetensors import safe_open
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft
-from eagle3.draft.export import (CONFIG_KEYS, ExportError, expected_tensors, export_sglang,
-                           layer_ids_for, load_draft, sglang_capture_layers)
+from eagle3.draft.export import CONFIG_KEYS, expected_tensors, export_sglang, load_draft
 
 PIPELINE_CONFIG_KEYS = {  # PIPELINE.md, "Draft checkpoint"
     "architectures", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -26,22 +24,6 @@ def _kimi_cfg(**kw) -> DraftConfig:
                 target_hidden_size=7168, capture_layers=[2, 30, 58])
     base.update(kw)
     return DraftConfig(**base)
-
-
-def test_layer_ids_name_the_capture_layers_on_every_sglang_release():
-    ids = layer_ids_for([2, 30, 58])
-    assert ids == [1, 29, 57]
-    for version in ("0.5.4.post2", "0.5.10", "0.5.12", "0.5.13", "0.5.23"):
-        assert sglang_capture_layers(ids, version) == [2, 30, 58], version
-    # the tempting mistake: writing the capture indices themselves
-    assert sglang_capture_layers([2, 30, 58], "0.5.12") == [3, 31, 59]
-
-
-def test_layer_ids_refused_when_no_id_list_works_on_all_releases():
-    with pytest.raises(ExportError, match="--sglang-version"):
-        layer_ids_for([3, 30, 58])
-    assert layer_ids_for([3, 30, 58], "0.5.13") == [3, 30, 58]
-    assert layer_ids_for([3, 30, 58], "0.5.12") == [2, 29, 57]
 
 
 def test_expected_tensors_at_kimi_dimensions_have_the_sglang_shapes():

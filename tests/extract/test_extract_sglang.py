@@ -35,7 +35,7 @@ from eagle3.extract.sglang import (
     extract_sglang,
     make_rid,
 )
-from eagle3.bench.preflight import PreflightError
+from eagle3.core.preflight import PreflightError
 from eagle3.core.records import read_jsonl
 from eagle3.core.server import RetryPolicy
 from eagle3.core.target import default_capture_layers, read_target_info
