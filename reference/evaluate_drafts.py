@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.bench.run import per_position_rates
+from eagle3.bench.run import offline_summary, sampling_generator
 from eagle3.core.chat import ChatRenderer
 from eagle3.bench.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
                              speculative_decode)
@@ -62,9 +62,6 @@ class DraftEvaluator:
         self.eos = {ChatRenderer(load_tokenizer(target)).end_of_turn_id}
         self.num_layers = self.model.config.num_hidden_layers
 
-    def _generator(self, k: int, temperature: float):
-        return torch.Generator().manual_seed(self.seed * 100_003 + k) if temperature else None
-
     def baseline(self, num_prompts: int, max_new: int, temperature: float) -> dict:
         """Plain decoding of the first `num_prompts` prompts (cached): outputs, tok/s, loops."""
         path = self.cache_dir / f"baseline_p{num_prompts}_n{max_new}_t{temperature:g}.json"
@@ -83,7 +80,7 @@ class DraftEvaluator:
         bar = progress(total=num_prompts, desc=f"plain decoding t={temperature:g}", unit="prompt")
         for k, prompt in enumerate(self.prompts[:num_prompts]):
             res = autoregressive_decode(TargetRunner(self.model, [0]), prompt, max_new, self.eos,
-                                        temperature, self._generator(k, temperature))
+                                        temperature, sampling_generator(self.seed, k))
             outputs.append(res.output_ids)
             seconds += res.seconds
             bar.update(1)
@@ -134,21 +131,13 @@ class DraftEvaluator:
         for k, prompt in enumerate(self.prompts[: spec.num_prompts]):
             results.append(speculative_decode(
                 self.model, proposer, prompt, spec.max_new_tokens, self.eos, steps, capture,
-                spec.temperature, self._generator(k, spec.temperature)))
+                spec.temperature, sampling_generator(self.seed, k)))
             bar.update(1)
         bar.close()
-        lengths = [a for r in results for a in r.accept_lengths]
-        tokens = sum(len(r.output_ids) for r in results)
-        seconds = sum(r.seconds for r in results)
         outputs = [r.output_ids for r in results]
-        mismatches = (sum(o != g for o, g in zip(outputs, base["output_ids"]))
-                      if spec.temperature == 0 else None)
-        return {"acceptance_length": sum(lengths) / max(len(lengths), 1),
-                "verify_passes": len(lengths),
-                "per_position_acceptance": per_position_rates(lengths, steps),
-                "tok_s": tokens / max(seconds, 1e-9),
-                "speedup": (tokens / max(seconds, 1e-9)) / base["tok_s"],
-                "lossless_mismatches": mismatches, "tokens": tokens,
+        return {**offline_summary(results, base["output_ids"], steps, base["tok_s"],
+                                  spec.temperature),
+                "tokens": sum(len(o) for o in outputs),
                 "loop": loop_stats(outputs, self.eos).to_dict(),
                 "wall_s": time.perf_counter() - t0, "output_ids": outputs}
 

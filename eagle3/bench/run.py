@@ -63,11 +63,11 @@ def run_offline(model, draft, embed, prompt_set: PromptSet, steps_list: list[int
     proposer = Eagle3Proposer(draft, embed)
     base, spec = [], {s: [] for s in steps_list}
     for i, prompt in enumerate(prompt_set.prompts):
-        gen = torch.Generator().manual_seed(seed + i)  # CPU: where sampling happens
+        gen = sampling_generator(seed, i)
         base.append(autoregressive_decode(TargetRunner(model, [0]), prompt, max_new_tokens, eos,
                                           temperature, gen))
         for s in steps_list:
-            gen = torch.Generator().manual_seed(seed + i)
+            gen = sampling_generator(seed, i)
             spec[s].append(speculative_decode(model, proposer, prompt, max_new_tokens, eos, s,
                                               capture, temperature, gen))
         if bar is not None:
@@ -83,12 +83,23 @@ def run_offline(model, draft, embed, prompt_set: PromptSet, steps_list: list[int
     return out
 
 
-def _offline_steps(results, base, steps: int, base_tok_s: float, temperature: float) -> dict:
+def sampling_generator(seed: int, prompt_index: int) -> torch.Generator:
+    """The CPU generator (where sampling happens) of one prompt's decode: baseline and every
+    step count of prompt `prompt_index` draw from the same seed, so greedy runs stay lossless
+    and sampled runs are comparable."""
+    return torch.Generator().manual_seed(seed + prompt_index)
+
+
+def offline_summary(results, baseline_outputs: list[list[int]], steps: int,
+                    baseline_tok_s: float, temperature: float) -> dict:
+    """Acceptance length (tokens per verify round), per-position acceptance, tok/s, speedup and
+    (greedy only) outputs that differ from plain decoding, for one step count's decode results
+    (`speculative_decode` answers, one per prompt, in the baseline's order)."""
     lengths = [a for r in results for a in r.accept_lengths]
     tok_s = sum(len(r.output_ids) for r in results) / max(sum(r.seconds for r in results), 1e-9)
     mismatches = None  # sampling: outputs differ from the baseline's by design
     if temperature == 0:
-        mismatches = sum(1 for r, g in zip(results, base) if r.output_ids != g.output_ids)
+        mismatches = sum(1 for r, g in zip(results, baseline_outputs) if r.output_ids != g)
         if mismatches:
             log.error("steps %d: %d of %d outputs differ from greedy decoding", steps, mismatches,
                       len(results))
@@ -97,11 +108,16 @@ def _offline_steps(results, base, steps: int, base_tok_s: float, temperature: fl
         "verify_passes": len(lengths),
         "per_position_acceptance": per_position_rates(lengths, steps),
         "tok_s": tok_s,
-        "speedup": tok_s / base_tok_s,
+        "speedup": tok_s / baseline_tok_s,
         "lossless_mismatches": mismatches,
-        "outputs": [r.output_ids for r in results],
-        "accept_lengths": [r.accept_lengths for r in results],
     }
+
+
+def _offline_steps(results, base, steps: int, base_tok_s: float, temperature: float) -> dict:
+    return {**offline_summary(results, [g.output_ids for g in base], steps, base_tok_s,
+                              temperature),
+            "outputs": [r.output_ids for r in results],
+            "accept_lengths": [r.accept_lengths for r in results]}
 
 
 # ---------------------------------------------------------------- SGLang
