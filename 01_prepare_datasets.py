@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.cli import StageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.prepare.rows import RenderMismatch
 from eagle3.prepare.runner import RenderSettings, open_run, run_prepare
 from eagle3.core.progress import format_summary, human_bytes, human_seconds
@@ -36,11 +36,10 @@ STAGE = STAGE_DIRS["01"]
 
 
 @dataclass
-class PrepareConfig:
+class PrepareConfig(StageFlags):
     recipe: Path = arg(help="dataset recipe JSON (see datasets/)")
     target: Path = arg(help="target model folder: its tokenizer and chat template render "
                             "every sample (only the tokenizer files are read)")
-    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
     thinking: bool = arg(True, "render with thinking on, the served reasoning mode (must "
                                "match 01b's --thinking)")
     num_workers: int = arg(0, "worker processes (0 = one per CPU core, at most 64)")
@@ -48,8 +47,6 @@ class PrepareConfig:
     verify_every: int = arg(100, "re-check 1 in N kept records with the exact, slow "
                                  "tokenization; a difference stops the stage (0 = never)")
     exact_render: bool = arg(False, "tokenize every record the exact, slow way")
-    force: bool = arg(False, "redo the stage even if it is complete")
-    log_level: str = arg("INFO", "logging level")
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core.chat import ChatRenderer, RenderError
-from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.generate.jobs import (
     HFGenerator,
     RecordSink,
@@ -56,9 +56,8 @@ UPSTREAM = STAGE_DIRS["01"]
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(UpstreamStageFlags):
     target: Path = arg(help="target model folder (tokenizer + chat template; weights for hf)")
-    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
     backend: str = arg("hf", "who generates: sglang (native /generate, exact output ids), "
                              "openai (/v1/chat/completions, reply re-rendered), hf (in process)",
                        choices=["hf", "sglang", "openai"])
@@ -93,9 +92,6 @@ class GenerateConfig:
     batch_size: int = arg(8, "hf backend: prompts generated together")
     dtype: str = arg("float32", "hf backend: model dtype (float32, bfloat16)")
     device: str = arg("cpu", "hf backend: torch device")
-    allow_partial: bool = arg(False, "accept an incomplete 01_prepared folder")
-    force: bool = arg(False, "redo the stage even if it is complete")
-    log_level: str = arg("INFO", "logging level")
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "concurrency", "long_concurrency",

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.extract.writer import SplitWriter, check_output_disk, extract_hf, make_verifier, summary_rows
 from eagle3.extract.sglang import Expected, SglangOptions, extract_sglang
 from eagle3.core.hidden_states import DTYPES, bytes_per_token
@@ -52,10 +52,9 @@ UPSTREAM = STAGE_DIRS["merge"]
 
 
 @dataclass
-class ExtractConfig:
+class ExtractConfig(UpstreamStageFlags):
     target: Path = arg(help="target model folder (config.json; weights for --backend hf and "
                             "--verify-against-hf)")
-    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
     backend: str = arg("sglang", "sglang: a patched SGLang dump server; hf: in-process "
                                  "transformers target", choices=["sglang", "hf"])
     capture_layers: list[int] = arg([], "capture indices (residual entering layer i); "
@@ -81,9 +80,6 @@ class ExtractConfig:
     max_batch_size: int = arg(64, "hf: records per forward pass (1 = each record alone)")
     model_dtype: str = arg("float32", "hf: dtype the target runs in")
     device: str = arg("cpu", "hf: torch device")
-    allow_partial: bool = arg(False, "accept an incomplete 01c_merged folder")
-    force: bool = arg(False, "redo the stage even if it is complete")
-    log_level: str = arg("INFO", "logging level")
 
     def __post_init__(self):
         if self.backend == "sglang" and self.dump_dir is None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.core.records import count_jsonl
 from eagle3.core.stage import (STAGE_DIRS, atomic_save_safetensors, atomic_write_json, open_stage,
@@ -32,13 +32,9 @@ UPSTREAM = STAGE_DIRS["merge"]
 
 
 @dataclass
-class VocabConfig:
+class VocabConfig(UpstreamStageFlags):
     target: Path = arg(help="target model folder (config.json for the vocab size, tokenizer)")
-    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
     draft_vocab: int = arg(32000, "draft vocabulary size (ids)")
-    allow_partial: bool = arg(False, "accept an incomplete 01c_merged folder")
-    force: bool = arg(False, "redo the stage even if it is complete")
-    log_level: str = arg("INFO", "logging level")
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 1:

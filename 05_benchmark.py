@@ -35,7 +35,7 @@ from pathlib import Path
 from eagle3.bench.run import LoadSettings, combine, measure_server, run_offline
 from eagle3.bench.report import report_markdown, summary_rows, write_plots
 from eagle3.core.chat import ChatRenderer
-from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.core.launcher import LaunchedServer, sglang_command
 from eagle3.bench.preflight import (check_baseline_server, check_server_pair,
                                     check_speculative_server, check_streaming)
@@ -55,8 +55,7 @@ SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
 
 
 @dataclass
-class BenchmarkConfig:
-    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
+class BenchmarkConfig(UpstreamStageFlags):
     target: Path | None = arg(None, "target model folder: tokenizer and config (weights for hf)")
     draft: Path | None = arg(None, "draft folder (default: <workdir>/04_train/final)")
     backend: str = arg("hf", "hf: offline in transformers; sglang: baseline vs speculative "
@@ -83,9 +82,6 @@ class BenchmarkConfig:
     stream: bool = arg(True, "sglang: stream answers (needed for TTFT)")
     sglang_version: str | None = arg(None, "release that will serve the draft, for the layer "
                                            "check without a server (default: both rules)")
-    allow_partial: bool = arg(False, "accept incomplete upstream folders")
-    force: bool = arg(False, "redo the stage even if it is complete")
-    log_level: str = arg("INFO", "logging level")
 
     def __post_init__(self):
         if self.backend == "hf" and self.target is None:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.core.cli import arg, config_dict, parse_config, setup_logging
+from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.prepare.merge import SourcePolicy, apply_policies, dedupe, format_stats_table
 from eagle3.prepare.merge import scan, split_and_shuffle, write_split
 from eagle3.core.progress import format_summary, human_bytes, human_seconds
@@ -38,16 +38,12 @@ log = logging.getLogger("merge_and_shuffle")
 
 
 @dataclass
-class MergeConfig:
-    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
+class MergeConfig(UpstreamStageFlags):
     max_seq_len: int = arg(8192, "tokens; longer samples are dropped or truncated, as each "
                                  "source's recipe entry says (overlength)")
     eval_fraction: float = arg(0.02, "share of conversations held out for eval, by id hash "
                                      "(0-0.5)")
     seed: int = arg(0, "seed of the shuffle and of the per-source weight/cap picks")
-    allow_partial: bool = arg(False, "accept an incomplete 01b_generated folder")
-    force: bool = arg(False, "redo the stage even if it is complete")
-    log_level: str = arg("INFO", "logging level")
 
     def __post_init__(self) -> None:
         if not 0 <= self.eval_fraction <= 0.5:

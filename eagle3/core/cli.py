@@ -32,6 +32,24 @@ def arg(default: Any = dataclasses.MISSING, help: str = "", **kw) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+@dataclasses.dataclass(kw_only=True)
+class StageFlags:
+    """The flags every numbered stage has; each stage config inherits them (fields after its own)."""
+
+    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
+    force: bool = arg(False, "redo the stage even if it is complete (04: restart training from "
+                             "scratch)")
+    log_level: str = arg("INFO", "logging level")
+
+
+@dataclasses.dataclass(kw_only=True)
+class UpstreamStageFlags(StageFlags):
+    """`StageFlags` of a stage that reads another stage's folder."""
+
+    allow_partial: bool = arg(False, "accept incomplete upstream stage folders (manifest missing "
+                                     "or not complete)")
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -25,7 +25,7 @@ import torch
 
 from eagle3.train import distributed
 from eagle3.train.checkpoint import check_data_position, load_latest, save_checkpoint, set_rng_state
-from eagle3.core.cli import arg, config_dict
+from eagle3.core.cli import UpstreamStageFlags, arg, config_dict
 from eagle3.train.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan, list_files,
                          make_loader, pack_epoch, row_width)
 from eagle3.train.distributed import DistInfo
@@ -38,9 +38,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(UpstreamStageFlags):
     target: Path = arg(help="target model folder (config.json, embedding and lm_head tensors)")
-    workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
     ttt_steps: int = arg(7, "training-time-test unroll length (draft steps per anchor)")
     step_weight: float = arg(0.8, "loss weight of step k is step_weight**k")
     epochs: int = arg(1, "passes over the train split")
@@ -75,9 +74,6 @@ class TrainConfig:
     tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
     sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
                                            "capture layers whose first index is not 2)")
-    allow_partial: bool = arg(False, "accept incomplete upstream folders")
-    force: bool = arg(False, "restart training from scratch")
-    log_level: str = arg("INFO", "logging level")
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
