@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {"backend": cfg.backend, "draft": str(draft_dir), "layers": layers,
                "preflight": [str(p) for p in problems],
                "prompts": {ps.name: len(ps.prompts) for ps in sets}}
-    results.update(run(cfg, draft_dir, sets, stage.dir, renderer, results["preflight"]))
+    measured = run(cfg, draft_dir, sets, stage.dir, renderer)
+    results["preflight"] += measured.pop("preflight", [])  # the servers' own checks
+    results.update(measured)
     atomic_write_json(stage.dir / "results.json", results)
     atomic_write_bytes(stage.dir / "report.md", report_markdown(results).encode())
     plots = write_plots(results, stage.dir)
@@ -161,7 +163,7 @@ async def _server_infos(urls: dict) -> dict:
         return {role: await get_server_info(session, url) for role, url in urls.items() if url}
 
 
-def run_hf(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> dict:
+def run_hf(cfg, draft_dir: Path, sets, stage_dir: Path, renderer) -> dict:
     import torch
 
     from eagle3.draft.export import load_draft
@@ -183,8 +185,10 @@ def run_hf(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> dict
     return {"temperature": cfg.temperature, "prompt_sets": out, "peak_gpu_bytes": peak}
 
 
-def run_sglang(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> dict:
-    """Baseline, then speculative: each attached or launched, checked, then measured."""
+def run_sglang(cfg, draft_dir: Path, sets, stage_dir: Path, renderer) -> dict:
+    """Baseline, then speculative: each attached or launched, checked, then measured.
+
+    "preflight" in the answer: the servers' warnings, for results.json."""
     load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature},
                         cfg.stream)
     n = sum(max(len(ps.prompts), 2 * c) for ps in sets for c in cfg.concurrency)
@@ -195,19 +199,20 @@ def run_sglang(cfg, draft_dir: Path, sets, stage_dir: Path, renderer, notes) -> 
         for role in ("baseline", "speculative"):
             with _server(cfg, role, draft_dir, stage_dir) as url:
                 info = asyncio.run(_server_infos({role: url}))[role]
-                servers[role] = _check_server(role, info, url, cfg, draft_dir, notes)
+                servers[role] = _check_server(role, info, url, cfg, draft_dir)
                 load.incremental_stream = bool(info.get("incremental_streaming_output"))
                 measured[role] = measure_server(url, role, sets, cfg.concurrency, load, sink,
                                                 bar=bar)
     bar.close()
     pair = check_server_pair(*(servers[r].pop("info") for r in ("baseline", "speculative")))
     raise_on_errors(pair, "servers")
-    notes += [str(p) for p in pair]
-    return {"servers": servers, "sampling_params": load.sampling_params, "stream": cfg.stream,
+    notes = [n for role in ("baseline", "speculative") for n in servers[role].pop("preflight")]
+    return {"preflight": notes + [str(p) for p in pair], "servers": servers, "sampling_params": load.sampling_params, "stream": cfg.stream,
             "prompt_sets": combine(measured["baseline"], measured["speculative"])}
 
 
-def _check_server(role: str, info: dict, url: str, cfg, draft_dir: Path, notes: list) -> dict:
+def _check_server(role: str, info: dict, url: str, cfg, draft_dir: Path) -> dict:
+    """The server's summary for results.json, with its warnings under "preflight"."""
     layers = None
     if role == "baseline":
         problems = check_baseline_server(info)
@@ -219,13 +224,13 @@ def _check_server(role: str, info: dict, url: str, cfg, draft_dir: Path, notes: 
     if cfg.stream:
         problems += check_streaming(info)
     raise_on_errors(problems, f"{role} server {url}")
-    notes += [f"{role} server: {p}" for p in problems]
     spec = info.get("speculative_algorithm")
     return {"url": url, "version": info.get("version"), "model_path": info.get("model_path"),
             "speculative": spec and (f"{spec}, steps {info.get('speculative_num_steps')}, topk "
                                      f"{info.get('speculative_eagle_topk')}, draft tokens "
                                      f"{info.get('speculative_num_draft_tokens')}"),
-            "layers": layers if role == "speculative" else None, "info": info}
+            "layers": layers if role == "speculative" else None, "info": info,
+            "preflight": [f"{role} server: {p}" for p in problems]}
 
 
 @contextlib.contextmanager

@@ -89,10 +89,11 @@ def make_jobs(n: int, prompt_tokens: int, seed: int = 0) -> list[GenerationJob]:
 
 
 async def run_stage_client(jobs, urls, concurrency, out_dir: Path) -> dict:
-    backend = SGLangBackend(ServerPool(urls), 7, RetryPolicy(timeout_s=60))
+    backend = SGLangBackend(ServerPool(urls), 7, RetryPolicy(base_delay_s=0.5, timeout_s=60))
     sink = RecordSink(out_dir)
     cfg = RunnerConfig(concurrency=concurrency, long_concurrency=concurrency,
-                       long_context_threshold=10**9)
+                       long_context_threshold=10**9, max_attempts=6,
+                       server_down_timeout_s=1800.0, poll_s=5.0)
     async with make_session(concurrency + 8) as session:
         counts = await GenerationRun(backend, sink, cfg, backend.policy, _NoBar()).run(
             jobs, session)

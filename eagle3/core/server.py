@@ -51,10 +51,12 @@ class TransientError(ServerError):
 
 @dataclass
 class RetryPolicy:
+    # No defaults where a script has the flag (01b --retry-delay-s, --request-timeout-s): the
+    # script's dataclass is the one home of those values.
+    base_delay_s: float  # first backoff; doubles each attempt
+    timeout_s: float  # per request
     max_retries: int = 5  # attempts after the first
-    base_delay_s: float = 0.5  # first backoff; doubles each attempt
     max_delay_s: float = 30.0
-    timeout_s: float = 3600.0  # per request (long generations are legitimate)
 
     def delay_s(self, attempt: int) -> float:
         """Backoff before attempt `attempt` (1 = the first retry), jittered by 0.5x-1.5x."""

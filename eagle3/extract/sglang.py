@@ -72,20 +72,22 @@ class SampleError(Exception):
 
 @dataclass
 class SglangOptions:
-    """How the client talks to the dump server (the script's flags, resolved)."""
+    """How the client talks to the dump server: 02b's flags of the same names, resolved (their
+    defaults live in 02b's ExtractConfig), plus two settings that are not flags."""
 
     server_url: str
     dump_dir: Path  # the server's EAGLE3_DUMP_DIR, as seen from this machine
-    rid_prefix: str = sglang_dump.DEFAULT_RID_PREFIX  # the server's EAGLE3_DUMP_RID_PREFIX
-    concurrency: int = 0  # requests in flight; 0 = from the server's prefill token budget
-    workers: int = 4  # threads loading dumps and writing files
-    max_attempts: int = 3  # attempts per record before it goes to failures.jsonl
-    max_failures: int = 100  # stop when more records than this failed (-1 = never)
-    dump_wait_s: float = 30.0  # how long a dump may lag behind its answer
-    server_wait_s: float = 1800.0  # how long to wait for a server that went down
+    rid_prefix: str  # the server's EAGLE3_DUMP_RID_PREFIX
+    concurrency: int  # requests in flight; 0 = from the server's prefill token budget
+    workers: int  # threads loading dumps and writing files
+    max_attempts: int  # attempts per record before it goes to failures.jsonl
+    max_failures: int  # stop when more records than this failed (-1 = never)
+    dump_wait_s: float  # how long a dump may lag behind its answer
+    server_wait_s: float  # how long to wait for a server that went down
     poll_s: float = 5.0  # readiness polling while waiting for the server
     # Per-request HTTP retries; a prefill-only request that takes 10 minutes is a hung server.
-    retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=600.0))
+    retry: RetryPolicy = field(
+        default_factory=lambda: RetryPolicy(base_delay_s=0.5, timeout_s=600.0))
 
 
 @dataclass(frozen=True)

@@ -58,12 +58,14 @@ class ServerDownError(ServerError):
 
 @dataclass
 class RunnerConfig:
-    concurrency: int = 200  # requests in flight in the first pass
-    long_concurrency: int = 32  # requests in flight in the long-context pass
-    long_context_threshold: int = 10240  # prompt + budget tokens above which a job is "long"
-    max_attempts: int = 6  # attempts per record before it goes to the failures file
-    server_down_timeout_s: float = 1800.0  # how long every server may stay unreachable
-    poll_s: float = 5.0  # how often an unreachable server is probed
+    """01b's flags of the same names, resolved (their defaults live in 01b's GenerateConfig)."""
+
+    concurrency: int  # requests in flight in the first pass
+    long_concurrency: int  # requests in flight in the long-context pass
+    long_context_threshold: int  # prompt + budget tokens above which a job is "long"
+    max_attempts: int  # attempts per record before it goes to the failures file
+    server_down_timeout_s: float  # how long every server may stay unreachable
+    poll_s: float  # how often an unreachable server is probed
 
 
 def partition(jobs: list[GenerationJob], threshold: int):

@@ -18,7 +18,8 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -244,6 +245,35 @@ class Window:
                 "steps": self.steps}
 
 
+@dataclass
+class WindowClock:
+    """Wall time and data wait at the last log line, and every log record so far."""
+
+    t: float  # time.perf_counter() at the last log line
+    wait_s: float = 0.0  # the prefetcher's cumulated data wait at the last log line
+    history: list = field(default_factory=list)
+
+
+@dataclass
+class TrainRun:
+    """What the loop's helpers share during one `train` call (built once, before step 0)."""
+
+    cfg: TrainConfig
+    rt: Runtime
+    out_dir: Path
+    data: TrainData
+    plan: RunPlan
+    width: int  # tokens per packed row
+    draft: Eagle3Draft
+    optimizer: torch.optim.Optimizer
+    model: TTTModel
+    ddp: torch.nn.Module  # `model` wrapped for data parallelism (itself on one rank)
+    forward: Callable  # `ddp`, compiled with --compile
+    feed: DevicePrefetcher
+    metrics: MetricsLog
+    clock: WindowClock
+
+
 def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
           embed_VH: torch.Tensor, teacher_VdH: torch.Tensor, rt: Runtime) -> dict:
     """Train `draft` in place (checkpoints under `out_dir/checkpoints`); returns the summary."""
@@ -268,8 +298,9 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     window = Window(cfg.ttt_steps, rt.device, window_saved)
     ema = torch.tensor(state.ema_loss, device=rt.device)
     bad_step = torch.tensor(state.nonfinite_step, device=rt.device)
-    clock = {"t": time.perf_counter(), "wait": 0.0, "start_step": state.step, "last_eval": {},
-             "history": []}
+    run = TrainRun(cfg, rt, Path(out_dir), data, plan, width, draft, optimizer, model, ddp,
+                   forward, feed, metrics, WindowClock(time.perf_counter()))
+    start_step, last_eval = state.step, {}
     log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d, "
              "%s attention, %s", num_steps, cfg.epochs, plan.rows_per_step, width,
              100 * plan.padding_share(data.train_lengths, width, cfg.max_seq_len), warmup,
@@ -279,16 +310,16 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
         lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if last_step or (step % cfg.eval_every == 0 and step > clock["start_step"]) or step == 0:
+        if last_step or (step % cfg.eval_every == 0 and step > start_step) or step == 0:
             _raise_if_nonfinite(bad_step)
-            clock["last_eval"] = _run_eval(model, data, cfg, rt, width, step, metrics)
-        if step > clock["start_step"] and (last_step or step % cfg.save_every == 0):
+            last_eval = _run_eval(run, step)
+        if step > start_step and (last_step or step % cfg.save_every == 0):
             _raise_if_nonfinite(bad_step)
             state.step, state.ema_loss, state.nonfinite_step = step, float(ema), int(bad_step)
-            _save(cfg, out_dir, step, draft, optimizer, state, window, plan, rt)
+            _save(run, step, state, window)
         if last_step:
             break
-        step_loss = _micro_steps(cfg, rt, model, ddp, forward, feed, window)
+        step_loss = _micro_steps(run, window)
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.max_grad_norm,
                                                    foreach=True)
         _guard_nonfinite(optimizer, grad_norm, step, bad_step)
@@ -300,20 +331,20 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
         window.steps += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == num_steps:
             _raise_if_nonfinite(bad_step)
-            state.tokens += _log_window(step + 1, num_steps, window, ema, grad_norm, lr, feed,
-                                        clock, cfg, rt, metrics, width)
+            state.tokens += _log_window(run, step + 1, window, ema, grad_norm, lr)
             window = Window(cfg.ttt_steps, rt.device)
     metrics.close()
-    timed = clock["history"][1:] or clock["history"]  # the first window holds warm-up/compile
-    return {"num_steps": num_steps, "tokens": state.tokens, **clock["last_eval"],
+    history = run.clock.history
+    timed = history[1:] or history  # the first window holds warm-up/compile
+    return {"num_steps": num_steps, "tokens": state.tokens, **last_eval,
             "padding": plan.padding_share(data.train_lengths, width, cfg.max_seq_len),
             "tok_s": sum(r["tok_s"] for r in timed) / max(len(timed), 1),
             "data_wait": sum(r["data_wait"] for r in timed) / max(len(timed), 1)}
 
 
-def _micro_steps(cfg: TrainConfig, rt: Runtime, model: TTTModel, ddp, forward,
-                 feed: DevicePrefetcher, window: Window) -> torch.Tensor:
+def _micro_steps(run: TrainRun, window: Window) -> torch.Tensor:
     """`grad_accum` forward+backward passes, one packed row each; returns their mean loss."""
+    cfg, rt, model, ddp, forward, feed = run.cfg, run.rt, run.model, run.ddp, run.forward, run.feed
     step_loss = torch.zeros((), device=rt.device)
     for micro_step in range(cfg.grad_accum):
         batch = feed.next()
@@ -346,12 +377,12 @@ def _checkpoint_config(cfg: TrainConfig, draft: Eagle3Draft) -> dict:
     return {**config_dict(cfg), **draft.cfg.to_dict()}
 
 
-def _save(cfg, out_dir, step, draft, optimizer, state: LoopState, window: Window,
-          plan: RunPlan, rt: Runtime) -> None:
-    if rt.dist.is_main:
+def _save(run: TrainRun, step: int, state: LoopState, window: Window) -> None:
+    cfg, plan, draft, optimizer = run.cfg, run.plan, run.draft, run.optimizer
+    if run.rt.dist.is_main:
         epoch, row = (plan.locate(step)[0], plan.locate(step)[1] * plan.rows_per_step) \
             if step < plan.num_steps else (len(plan.epochs), 0)
-        save_checkpoint(out_dir / "checkpoints", step, {
+        save_checkpoint(run.out_dir / "checkpoints", step, {
             "model": draft.state_dict(), "optimizer": optimizer.state_dict(),
             "loop_state": asdict(state), "window": window.to_dict(),
             "schedule": {"num_steps": plan.num_steps, "peak_lr": cfg.lr,
@@ -362,38 +393,37 @@ def _save(cfg, out_dir, step, draft, optimizer, state: LoopState, window: Window
     distributed.barrier()
 
 
-def _run_eval(model, data: TrainData, cfg, rt: Runtime, width: int, step: int,
-              metrics: MetricsLog) -> dict:
+def _run_eval(run: TrainRun, step: int) -> dict:
+    data = run.data
     if not data.eval_files:
         return {}
-    result = evaluate(model, data.eval_files, data.eval_lengths, cfg, rt, width)
+    result = evaluate(run.model, data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width)
     log.info("eval step %d | loss %s | acc %s | sim-accept %.2f", step,
              [round(x, 3) for x in result["eval_loss"]],
              [round(a, 3) for a in result["eval_acc"]], result["eval_sim_accept"])
-    metrics.write({"step": step, **result})
+    run.metrics.write({"step": step, **result})
     return result
 
 
-def _log_window(step: int, num_steps: int, window: Window, ema, grad_norm, lr: float,
-                feed: DevicePrefetcher, clock: dict, cfg, rt: Runtime, metrics: MetricsLog,
-                width: int) -> int:
+def _log_window(run: TrainRun, step: int, window: Window, ema, grad_norm, lr: float) -> int:
     """Reduce the window over ranks (one host sync), write one log line; returns its tokens."""
+    cfg, rt, clock, num_steps = run.cfg, run.rt, run.clock, run.plan.num_steps
     totals = distributed.all_reduce_sum(torch.cat([window.stats,
                                                    window.tokens.float().reshape(1)]))
     m = stats_dict(totals[:-1], cfg.ttt_steps)
     tokens = int(totals[-1])
     now = time.perf_counter()
-    elapsed = max(now - clock["t"], 1e-9)
+    elapsed = max(now - clock.t, 1e-9)
     rows = window.rows * rt.dist.world
     rec = {"step": step, "loss": float(ema) / (1 - 0.9 ** step), "loss_steps": m["loss_steps"],
            "acc": m["acc"], "sim_accept": m["sim_accept"], "lr": lr,
            "grad_norm": float(grad_norm), "tokens": tokens,
            "dt_ms": 1000 * elapsed / max(window.steps, 1), "tok_s": tokens / elapsed,
-           "data_wait": (feed.wait_s - clock["wait"]) / elapsed,
-           "padding": 1 - tokens / max(rows * width, 1)}
-    clock["t"], clock["wait"] = now, feed.wait_s
+           "data_wait": (run.feed.wait_s - clock.wait_s) / elapsed,
+           "padding": 1 - tokens / max(rows * run.width, 1)}
+    clock.t, clock.wait_s = now, run.feed.wait_s
     if rt.dist.is_main:
         log.info(metrics_line(rec, num_steps, rec["dt_ms"] / 1000 * (num_steps - step)))
-    metrics.write(rec)
-    clock["history"].append(rec)
+    run.metrics.write(rec)
+    clock.history.append(rec)
     return tokens

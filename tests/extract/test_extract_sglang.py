@@ -84,6 +84,15 @@ def make_server(target_model, layers, tmp_path):
         server.close()
 
 
+def _options(server: FakeDumpServer, **kw) -> SglangOptions:
+    """02b's flag defaults (ExtractConfig) for a library-level run against `server`."""
+    module = __import__("02b_extract_hidden_states_sglang")
+    cfg = module.ExtractConfig(target=Path("unused"), dump_dir=server.dump_config.dump_dir,
+                               server_url=server.url)
+    fields = {k: v for k, v in vars(module.sglang_options(cfg)).items() if k not in kw}
+    return SglangOptions(**{**fields, **kw})
+
+
 def run_client(workdir: Path, target: Path, server: FakeDumpServer, *extra: str) -> int:
     return main_02b()(["--workdir", str(workdir), "--target", str(target), "--server-url",
                        server.url, "--dump-dir", str(server.dump_config.dump_dir),
@@ -161,8 +170,8 @@ def test_extract_sglang_writes_identical_files_when_server_restarts_mid_run(
 
     thread = threading.Thread(target=restart_after_some_files, daemon=True)
     thread.start()
-    opts = SglangOptions(server.url, server.dump_config.dump_dir, concurrency=6, poll_s=0.1,
-                         retry=RetryPolicy(max_retries=1, base_delay_s=0.05))
+    opts = _options(server, concurrency=6, poll_s=0.1,
+                    retry=RetryPolicy(max_retries=1, base_delay_s=0.05, timeout_s=600.0))
     outputs, extra = _library_run(workdir, tiny_target_dir, opts, layers)
     thread.join(timeout=10)
     assert extra["server"]["restarts"] == 1
@@ -330,8 +339,8 @@ def test_extract_sglang_stops_with_rerun_advice_when_server_stays_down(
         server.stop()
 
     threading.Thread(target=crash_after_some_files, daemon=True).start()
-    opts = SglangOptions(server.url, server.dump_config.dump_dir, concurrency=4, poll_s=0.1,
-                         server_wait_s=0.5, retry=RetryPolicy(max_retries=0))
+    opts = _options(server, concurrency=4, poll_s=0.1, server_wait_s=0.5,
+                    retry=RetryPolicy(max_retries=0, base_delay_s=0.5, timeout_s=600.0))
     with pytest.raises(ExtractError, match="did not come back.*re-run"):
         _library_run(workdir, tiny_target_dir, opts, layers)
     assert 3 <= len(data_files(workdir)) < 25

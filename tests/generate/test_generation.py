@@ -73,7 +73,7 @@ def _as_set(records: list[dict]) -> set:
 
 
 def _backend(eos_id: int) -> SGLangBackend:
-    return SGLangBackend(ServerPool(["http://127.0.0.1:9"]), eos_id, RetryPolicy())
+    return SGLangBackend(ServerPool(["http://127.0.0.1:9"]), eos_id, RetryPolicy(0.5, 3600.0))
 
 
 def _answer(job, output, finish, prompt_tokens=None, completion_tokens=None):
