@@ -207,7 +207,8 @@ def run_sglang(cfg, draft_dir: Path, sets, stage_dir: Path, renderer) -> dict:
     pair = check_server_pair(*(servers[r].pop("info") for r in ("baseline", "speculative")))
     raise_on_errors(pair, "servers")
     notes = [n for role in ("baseline", "speculative") for n in servers[role].pop("preflight")]
-    return {"preflight": notes + [str(p) for p in pair], "servers": servers, "sampling_params": load.sampling_params, "stream": cfg.stream,
+    return {"preflight": notes + [str(p) for p in pair], "servers": servers,
+            "sampling_params": load.sampling_params, "stream": cfg.stream,
             "prompt_sets": combine(measured["baseline"], measured["speculative"])}
 
 

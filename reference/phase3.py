@@ -31,49 +31,52 @@ CONTROL_SPECS = ("control_reference", "control_final_state", "control_shifted_la
 class Phase3:
     """Submits the evaluations of one run to a JobPool and records how each one ended."""
 
-    def __init__(self, s, pool: JobPool):
+    def __init__(self, phases, pool: JobPool):
         from reference.evaluate_drafts import EvalSpec
 
-        self.s, self.pool, self.EvalSpec = s, pool, EvalSpec
-        p = s.p
-        self.evals = s.results / "evals"
-        self.limit = max(p.sweep_prompts, p.control_prompts)
-        self.sweep = {"num_prompts": p.sweep_prompts, "max_new_tokens": p.sweep_max_new}
-        self.spt = s.seconds_per_token()
-        self.accept = expected_acceptance(s.w / "bench_t0" / STAGE_DIRS["05"] / "results.json")
+        self.phases, self.pool, self.EvalSpec = phases, pool, EvalSpec
+        profile = phases.profile
+        self.evals = phases.results / "evals"
+        self.limit = max(profile.sweep_prompts, profile.control_prompts)
+        self.sweep = {"num_prompts": profile.sweep_prompts, "max_new_tokens": profile.sweep_max_new}
+        self.seconds_per_token = phases.seconds_per_token()
+        self.accept = expected_acceptance(
+            phases.root / "bench_t0" / STAGE_DIRS["05"] / "results.json")
         self.tasks: dict[str, list[str]] = {}  # task -> the jobs it is made of
         self.submitted: list[str] = []  # jobs queued by this run
 
     def estimate(self, spec, acceptance: float | None = None) -> float:
         from reference.evaluate_drafts import estimate_seconds
 
-        return estimate_seconds(spec, self.spt, acceptance or self.accept) + 15
+        return estimate_seconds(spec, self.seconds_per_token, acceptance or self.accept) + 15
 
     def evaluate(self, task: str, spec, acceptance: float | None = None) -> None:
         """Queue one draft evaluation (as the job `spec.name`) under `task`."""
         self.tasks.setdefault(task, []).append(spec.name)
-        if task in self.s.state["done"] or (self.evals / f"eval_{spec.name}.json").exists():
+        if task in self.phases.state["done"] or (self.evals / f"eval_{spec.name}.json").exists():
             return
         self.submitted.append(spec.name)
-        p = self.s.p
+        profile = self.phases.profile
         raw = {**asdict(spec), "draft": str(spec.draft)}
         self.pool.submit(spec.name, self.pool.python(ROOT / "reference" / "eval_worker.py", [
-            "--target", self.s.target, "--prompts", self.s.heldout_prompts,
-            "--prompts-workdir", self.s.heldout, "--limit", self.limit, "--cache", self.evals,
-            "--spec", json.dumps(raw), "--device", p.device, "--dtype", self.s.eval_dtype]),
+            "--target", self.phases.target, "--prompts", self.phases.heldout_prompts,
+            "--prompts-workdir", self.phases.heldout, "--limit", self.limit, "--cache", self.evals,
+            "--spec", json.dumps(raw), "--device", profile.device,
+            "--dtype", self.phases.eval_dtype]),
             self.estimate(spec, acceptance))
 
     def bench_t1(self) -> None:
         """05 at temperature 1 (speculative sampling), the production script in a subprocess."""
-        s = self.s
+        phases = self.phases
         self.tasks["05 t1"] = ["05 t1"]
-        w = s.bench_workdir("t1")
-        if "05 t1" in s.state["done"] or (read_manifest(w / STAGE_DIRS["05"]) or {}).get(
-                "complete"):
+        bench_dir = phases.bench_workdir("t1")
+        manifest = read_manifest(bench_dir / STAGE_DIRS["05"]) or {}
+        if "05 t1" in phases.state["done"] or manifest.get("complete"):
             return
-        spec = self.EvalSpec("05 t1", w, [3, 7], num_prompts=s.p.bench_t1_prompts,
-                             max_new_tokens=s.p.bench_max_new)
-        args = ["--workdir", w, *s.bench_args(1.0, s.p.bench_t1_prompts)]
+        spec = self.EvalSpec("05 t1", bench_dir, [3, 7],
+                             num_prompts=phases.profile.bench_t1_prompts,
+                             max_new_tokens=phases.profile.bench_max_new)
+        args = ["--workdir", bench_dir, *phases.bench_args(1.0, phases.profile.bench_t1_prompts)]
         self.submitted.append("05 t1")
         # Sampling accepts less than greedy decoding; the plain baseline is decoded too.
         self.pool.submit("05 t1", self.pool.python(ROOT / SCRIPTS["05"], args),
@@ -81,38 +84,38 @@ class Phase3:
 
     def record(self, jobs) -> None:
         """Mark each task done, skipped or failed from how its jobs ended."""
-        s, by_name = self.s, {j.name: j for j in jobs}
+        phases, by_name = self.phases, {j.name: j for j in jobs}
         for task, names in self.tasks.items():
-            if task in s.state["done"]:
+            if task in phases.state["done"]:
                 continue
             mine = [by_name[n] for n in names if n in by_name]
             if task == "05 t1" and "05 t1" in by_name:
                 job = by_name["05 t1"]
                 if not job.skipped:
-                    s.runner.record_external("05 t1", "05", s.bench_workdir("t1"),
+                    phases.runner.record_external("05 t1", "05", phases.bench_workdir("t1"),
                                              job.argv[2:],  # after python and the script
                                              job.rc, job.wall_s)
             ok = (0, 1) if task == "05 t1" else (0,)  # 05's 1: lossless mismatches, reported
             skipped = [j for j in mine if j.skipped]
             failed = [j for j in mine if not j.skipped and j.rc not in ok]
             if skipped:
-                s.state["skipped"][task] = skipped[0].skipped
+                phases.state["skipped"][task] = skipped[0].skipped
             elif failed:
-                s.state.setdefault("failed", {})[task] = "; ".join(
+                phases.state.setdefault("failed", {})[task] = "; ".join(
                     f"{j.name} exited with {j.rc} (log: {self.pool.log_path(j)})" for j in failed)
             elif task != "controls" or self._controls_done():
-                s.state["done"][task] = {"wall_s": round(max((j.wall_s for j in mine),
+                phases.state["done"][task] = {"wall_s": round(max((j.wall_s for j in mine),
                                                              default=0.0), 1),
                                          "jobs": {j.name: round(j.wall_s, 1) for j in mine},
                                          "side_by_side": True}
-                s.state["skipped"].pop(task, None)
-                s.state.get("failed", {}).pop(task, None)
-        s.save()
+                phases.state["skipped"].pop(task, None)
+                phases.state.get("failed", {}).pop(task, None)
+        phases.save()
 
     def _controls_done(self) -> bool:
         if not all((self.evals / f"eval_{n}.json").exists() for n in CONTROL_SPECS):
             return False
-        run_controls(self.s, [json.loads((self.evals / f"eval_{n}.json").read_text())
+        run_controls(self.phases, [json.loads((self.evals / f"eval_{n}.json").read_text())
                               for n in CONTROL_SPECS])
         return True
 
@@ -126,50 +129,54 @@ def expected_acceptance(bench_results: Path, default: float = 1.6) -> float:
     return values[0] if values else default
 
 
-def run_phase3(s) -> None:
-    """`s`: the run's reference.steps.PhaseSteps."""
+def run_phase3(phases) -> None:
+    """`phases`: the run's reference.steps.PhaseSteps."""
     from reference.evaluate_drafts import EvalSpec
 
-    p, final = s.p, s.main / STAGE_DIRS["04"] / "final"
+    profile, final = phases.profile, phases.main / STAGE_DIRS["04"] / "final"
     t0 = time.time()
     # 02b first, before any evaluation process starts: its batched forward passes slowed from
     # 49K to 4.6K tok/s beside six of them on the H200, while 04 kept its speed.
-    s.task("extract fp8", s.extract_fp8, s.extract_estimate(s.n_train()))
-    for n in s.size_counts():
-        s.task(f"extract size {n}", lambda n=n: s.extract_size(n), s.extract_estimate(n))
-    with JobPool(p.eval_workers, s.deadline, s.results / "logs",
+    phases.task("extract fp8", phases.extract_fp8, phases.extract_estimate(phases.n_train()))
+    for n in phases.size_counts():
+        phases.task(f"extract size {n}", lambda n=n: phases.extract_size(n),
+                    phases.extract_estimate(n))
+    with JobPool(profile.eval_workers, phases.deadline, phases.results / "logs",
                  env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}) as pool:
-        ph = Phase3(s, pool)
+        ph = Phase3(phases, pool)
         sweep = ph.sweep
-        control = {"num_prompts": p.control_prompts, "max_new_tokens": p.control_max_new}
+        control = {"num_prompts": profile.control_prompts,
+                   "max_new_tokens": profile.control_max_new}
         ph.evaluate("eval main", EvalSpec("main", final, [3, 7], **sweep))
         ph.evaluate("controls", EvalSpec(CONTROL_SPECS[0], final, [3], **control))
         for name in ("final_state", "shifted_layers"):
             ph.evaluate("controls", EvalSpec(f"control_{name}", final, [3], control=name,
                                              **control), acceptance=1.0)
         ph.bench_t1()
-        root = s.main / STAGE_DIRS["04"] / "checkpoints"
+        root = phases.main / STAGE_DIRS["04"] / "checkpoints"
         for step in intermediate_steps(root):
-            draft = s.w / "epochs" / f"step_{step:06d}"
+            draft = phases.root / "epochs" / f"step_{step:06d}"
             export_checkpoint(root / f"step_{step:06d}",
                               json.loads((root / f"step_{step:06d}" / "config.json").read_text()),
                               draft)
             ph.evaluate(f"eval checkpoint {step}", EvalSpec(f"ckpt_{step}", draft, [3], **sweep))
         # Trained here, beside the evaluations; each evaluated once trained.
-        s.task("train fp8", s.train_fp8, s.fp8_estimate())
-        if (s.w / "fp8" / STAGE_DIRS["04"] / "final").is_dir():
-            ph.evaluate("eval fp8", EvalSpec("fp8", s.w / "fp8" / STAGE_DIRS["04"] / "final", [3, 7],
+        phases.task("train fp8", phases.train_fp8, phases.fp8_estimate())
+        fp8_draft = phases.root / "fp8" / STAGE_DIRS["04"] / "final"
+        if fp8_draft.is_dir():
+            ph.evaluate("eval fp8", EvalSpec("fp8", fp8_draft, [3, 7],
                                              **sweep))
-        for n in s.size_counts():
-            s.task(f"train size {n}", lambda n=n: s.train_size(n), s.size_estimate(n))
-            draft = s.w / f"size_{n}" / STAGE_DIRS["04"] / "final"
+        for n in phases.size_counts():
+            phases.task(f"train size {n}", lambda n=n: phases.train_size(n),
+                        phases.size_estimate(n))
+            draft = phases.root / f"size_{n}" / STAGE_DIRS["04"] / "final"
             if draft.is_dir():
                 ph.evaluate(f"eval size {n}", EvalSpec(f"size_{n}", draft, [3], **sweep))
         ph.record(pool.wait())
-    runs = s.state.setdefault("parallel", {}).setdefault("phase3_runs", [])
-    runs.append({"wall_s": round(time.time() - t0, 1), "eval_workers": p.eval_workers,
+    runs = phases.state.setdefault("parallel", {}).setdefault("phase3_runs", [])
+    runs.append({"wall_s": round(time.time() - t0, 1), "eval_workers": profile.eval_workers,
                  "jobs": len(ph.submitted)})
-    s.save()
+    phases.save()
 
 
 def intermediate_steps(root: Path) -> list[int]:
@@ -182,7 +189,7 @@ def intermediate_steps(root: Path) -> list[int]:
     return [s for s in steps[:-1] if s < 0.95 * steps[-1]]
 
 
-def run_controls(s, results: list[dict]) -> None:
+def run_controls(phases, results: list[dict]) -> None:
     """From the evaluations of the correct draft and the two controls on the same prompts
     (in CONTROL_SPECS order): did each collapse, and does the project's check catch it."""
     from eagle3.core.target import read_target_info
@@ -190,12 +197,12 @@ def run_controls(s, results: list[dict]) -> None:
 
     ref, *controls = results
     ref_gain = ref["steps"]["3"]["acceptance_length"] - 1
-    final = s.main / STAGE_DIRS["04"] / "final"
-    info = read_target_info(s.target)
-    captures = read_manifest(s.main / STAGE_DIRS["02b"])["capture_layers"]
+    final = phases.main / STAGE_DIRS["04"] / "final"
+    info = read_target_info(phases.target)
+    captures = read_manifest(phases.main / STAGE_DIRS["02b"])["capture_layers"]
     detection = {"final_state": detect_eagle_mistake(final),
                  "shifted_layers": detect_shifted_layers(final, captures, info.hidden_size,
-                                                         info.vocab_size, s.w / "controls")}
+                                                         info.vocab_size, phases.root / "controls")}
     out = {}
     for result in controls:
         name = result["control"]
@@ -206,4 +213,4 @@ def run_controls(s, results: list[dict]) -> None:
                      "collapsed": accept - 1 < COLLAPSE_SHARE * ref_gain}
         log.info("control %s: acceptance %.3f (correct draft %.3f), collapsed %s, detected %s",
                  name, accept, ref_gain + 1, out[name]["collapsed"], out[name]["detected"])
-    atomic_write_json(s.results / "controls.json", out)
+    atomic_write_json(phases.results / "controls.json", out)

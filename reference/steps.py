@@ -64,9 +64,11 @@ class PhaseSteps:
 
     def __init__(self, workdir: Path, profile_name: str, profile, runner: StageRunner,
                  deadline: float):
-        self.w, self.p, self.runner, self.deadline = Path(workdir), profile, runner, deadline
-        self.corpus, self.target, self.main = self.w / "corpus", self.w / "target", self.w / "main"
-        self.heldout, self.results = self.w / "heldout", self.w / "results"
+        self.root, self.profile = Path(workdir), profile
+        self.runner, self.deadline = runner, deadline
+        self.corpus, self.target = self.root / "corpus", self.root / "target"
+        self.main = self.root / "main"
+        self.heldout, self.results = self.root / "heldout", self.root / "results"
         path = self.results / "state.json"
         self.state = json.loads(path.read_text()) if path.exists() else {
             "profile": profile_name, "done": {}, "skipped": {}, "phases": {}}
@@ -128,44 +130,46 @@ class PhaseSteps:
     # ------------------------------------------------------------ phase 1
 
     def phase1(self) -> None:
-        p, t = self.p, self.target
+        profile, t = self.profile, self.target
         self.runner.run_callable(
-            "corpus", lambda: build_corpus.main(["--out", str(self.corpus), *p.corpus]),
-            f"python reference/build_corpus.py --out {self.corpus} {' '.join(p.corpus)}", self.w)
+            "corpus", lambda: build_corpus.main(["--out", str(self.corpus), *profile.corpus]),
+            f"python reference/build_corpus.py --out {self.corpus} {' '.join(profile.corpus)}",
+            self.root)
         self.task("eval dtype", self.choose_eval_dtype)
         self.runner.run_callable(
             "target", lambda: train_target.main(["--corpus", str(self.corpus), "--out", str(t),
-                                                 "--device", p.device, *p.target]),
+                                                 "--device", profile.device, *profile.target]),
             f"python reference/train_target.py --corpus {self.corpus} --out {t} --device "
-            f"{p.device} {' '.join(p.target)}", self.w)
+            f"{profile.device} {' '.join(profile.target)}", self.root)
         r = self.runner
         r.run("01 main", "01", self.main, self.prepare_args("recipe_train.json"))
         r.run("01b main", "01b", self.main, self.generate_args())
-        r.run("merge main", "merge", self.main, list(p.merge))
+        r.run("merge main", "merge", self.main, list(profile.merge))
         r.run("01 held-out", "01", self.heldout, self.prepare_args("recipe_heldout.json"))
 
     # The command line of each stage (tests parse them with the scripts' own parsers).
 
     def prepare_args(self, recipe: str) -> list:
-        return ["--recipe", self.corpus / recipe, "--target", self.target, *self.p.prepare]
+        return ["--recipe", self.corpus / recipe, "--target", self.target, *self.profile.prepare]
 
     def generate_args(self) -> list:
-        return ["--target", self.target, "--backend", "hf", "--device", self.p.device,
-                *self.p.generate]
+        return ["--target", self.target, "--backend", "hf", "--device", self.profile.device,
+                *self.profile.generate]
 
     def vocab_args(self) -> list:
-        return ["--target", self.target, "--draft-vocab", self.p.draft_vocab]
+        return ["--target", self.target, "--draft-vocab", self.profile.draft_vocab]
 
     def bench_args(self, temperature: float, prompts: int) -> list:
         return ["--target", self.target, "--draft", self.main / STAGE_DIRS["04"] / "final",
                 "--backend", "hf", "--prompt-sets", self.heldout_prompts, "--num-prompts",
-                prompts, "--max-new-tokens", self.p.bench_max_new, "--temperature", temperature,
-                "--seed", 0, "--steps", *BENCH_STEPS, "--device", self.p.device, "--dtype",
-                self.eval_dtype]
+                prompts, "--max-new-tokens", self.profile.bench_max_new,
+                "--temperature", temperature, "--seed", 0, "--steps", *BENCH_STEPS,
+                "--device", self.profile.device, "--dtype", self.eval_dtype]
 
     def choose_eval_dtype(self) -> None:
-        error = fp32_moe_error(self.p.device) if self.p.eval_dtype == "float32" else None
-        self.state["eval_dtype"] = "bfloat16" if error else self.p.eval_dtype
+        error = (fp32_moe_error(self.profile.device) if self.profile.eval_dtype == "float32"
+                 else None)
+        self.state["eval_dtype"] = "bfloat16" if error else self.profile.eval_dtype
         if error:
             self.state["eval_dtype_note"] = f"float32 MoE failed ({error}): evaluating in bf16"
             log.warning(self.state["eval_dtype_note"])
@@ -180,24 +184,25 @@ class PhaseSteps:
         """
         from eagle3.core.records import read_jsonl
 
-        tokens = sum(min(r["seq_len"], self.p.train_max_seq_len)
+        tokens = sum(min(r["seq_len"], self.profile.train_max_seq_len)
                      for r in read_jsonl(Path(workdir) / STAGE_DIRS["merge"] / "train.jsonl"))
-        return max(1, tokens // self.p.pack_tokens)
+        return max(1, tokens // self.profile.pack_tokens)
 
     def train_args(self, workdir: Path) -> list:
         """04 flags: checkpoint and evaluate about every epoch (see `steps_per_epoch`), keep
         every checkpoint (the report labels each with its step and epoch share)."""
         per_epoch = self.steps_per_epoch(workdir)
         self.state.setdefault("steps_per_epoch", {})[Path(workdir).name] = per_epoch
-        return ["--target", self.target, "--device", self.p.device, "--epochs", self.p.epochs,
-                "--max-seq-len", self.p.train_max_seq_len, "--pack-tokens", self.p.pack_tokens,
+        profile = self.profile
+        return ["--target", self.target, "--device", profile.device, "--epochs", profile.epochs,
+                "--max-seq-len", profile.train_max_seq_len, "--pack-tokens", profile.pack_tokens,
                 "--save-every", per_epoch, "--eval-every", per_epoch,
-                "--keep-latest", self.p.epochs + 2, *self.p.train]
+                "--keep-latest", profile.epochs + 2, *profile.train]
 
     def extract_args(self, dtype: str) -> list:
         """02b flags: the in-process transformers target, aux states stored as `dtype`."""
-        return ["--target", self.target, "--backend", "hf", "--device", self.p.device,
-                "--dtype", dtype, *self.p.extract]
+        return ["--target", self.target, "--backend", "hf", "--device", self.profile.device,
+                "--dtype", dtype, *self.profile.extract]
 
     def phase2(self) -> None:
         self._require(self.main / STAGE_DIRS["merge"], 1)
@@ -223,14 +228,14 @@ class PhaseSteps:
         return count_jsonl(self.main / STAGE_DIRS["merge"] / "train.jsonl")
 
     def size_counts(self) -> list[int]:
-        return sorted({max(4, int(f * self.n_train())) for f in self.p.size_fractions})
+        return sorted({max(4, int(f * self.n_train())) for f in self.profile.size_fractions})
 
     def fp8_workdir(self) -> Path:
-        return linked_workdir(self.w / "fp8", {"01c_merged": self.main / STAGE_DIRS["merge"],
+        return linked_workdir(self.root / "fp8", {"01c_merged": self.main / STAGE_DIRS["merge"],
                                                STAGE_DIRS["03"]: self.main / STAGE_DIRS["03"]})
 
     def size_workdir(self, n: int) -> Path:
-        return subset_workdir(self.main, self.w / f"size_{n}", n)
+        return subset_workdir(self.main, self.root / f"size_{n}", n)
 
     def extract_fp8(self) -> None:
         self.runner.run("02b fp8", "02b", self.fp8_workdir(), self.extract_args("fp8"))
@@ -262,7 +267,7 @@ class PhaseSteps:
 
     @property
     def eval_dtype(self) -> str:
-        return self.state.get("eval_dtype", self.p.eval_dtype)
+        return self.state.get("eval_dtype", self.profile.eval_dtype)
 
     def seconds_per_token(self) -> float:
         """Plain decoding cost of one token at batch 1 (measured once, then cached)."""
@@ -270,26 +275,28 @@ class PhaseSteps:
             from reference.evaluate_drafts import probe_seconds_per_token
 
             self.state["seconds_per_token"] = probe_seconds_per_token(
-                self.target, self.heldout_prompts, self.heldout, self.p.device, self.eval_dtype)
+                self.target, self.heldout_prompts, self.heldout, self.profile.device,
+                self.eval_dtype)
             self.save()
         return self.state["seconds_per_token"]
 
     def bench(self, tag: str, temperature: float) -> None:
         """05 on the held-out prompts (prompt count cut to fit the command's budget)."""
-        cost = self.p.bench_max_new * self.seconds_per_token() * (
+        cost = self.profile.bench_max_new * self.seconds_per_token() * (
             1 + sum((1 + 0.1 * s) / 2.0 for s in BENCH_STEPS))  # acceptance ~2 assumed
         fit = int((self.remaining() - 15) / cost)
-        prompts = max(min(self.p.bench_prompts, 4), min(self.p.bench_prompts, fit))
-        if prompts < self.p.bench_prompts:
+        prompts = max(min(self.profile.bench_prompts, 4), min(self.profile.bench_prompts, fit))
+        if prompts < self.profile.bench_prompts:
             self.state.setdefault("notes", []).append(
-                f"05 {tag}: {prompts} prompts instead of {self.p.bench_prompts} (time budget)")
+                f"05 {tag}: {prompts} prompts instead of {self.profile.bench_prompts} "
+                "(time budget)")
         self.runner.run(f"05 {tag}", "05", self.bench_workdir(tag),
                         self.bench_args(temperature, prompts),
                         ok_codes=(0, 1))  # 1: lossless mismatches, reported in the summary
 
     def bench_workdir(self, tag: str) -> Path:
         """The work folder of one 05 run, its upstream stages linked to the main run's."""
-        return linked_workdir(self.w / f"bench_{tag}", {
+        return linked_workdir(self.root / f"bench_{tag}", {
             STAGE_DIRS["merge"]: self.main / STAGE_DIRS["merge"],
             STAGE_DIRS["02b"]: self.main / STAGE_DIRS["02b"]})
 

@@ -34,7 +34,7 @@ def arg(default: Any = dataclasses.MISSING, help: str = "", **kw) -> Any:
 
 @dataclasses.dataclass(kw_only=True)
 class StageFlags:
-    """The flags every numbered stage has; each stage config inherits them (fields after its own)."""
+    """The flags every numbered stage has; each stage config inherits them (after its own)."""
 
     workdir: Path = arg(Path("runs/default"), "work directory shared by all stages")
     force: bool = arg(False, "redo the stage even if it is complete (04: restart training from "

@@ -183,7 +183,8 @@ def _check_layer_ids(config: dict, expected: list[int] | None,
     detail = "; ".join(f"SGLang {rule} captures {got}" for rule, got in wrong.items())
     return [Problem("error", f"eagle_aux_hidden_state_layer_ids={ids}: {detail}, but the draft "
                              f"was trained on captures {list(expected)}. In config.json {fix} "
-                             "(eagle3.draft.export.export_sglang writes ids every release reads alike)")]
+                             "(eagle3.draft.export.export_sglang writes ids every release reads "
+                             "alike)")]
 
 
 def load_t2d(draft_dir: Path):

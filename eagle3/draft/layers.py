@@ -1,4 +1,4 @@
-"""Which target layers a draft's `eagle_aux_hidden_state_layer_ids` make each SGLang release capture.
+"""Which target layers a draft config's `eagle_aux_hidden_state_layer_ids` make SGLang capture.
 
 SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` from the draft config.json and turns
 them into capture indices (index i = the residual stream entering decoder layer i, PIPELINE.md).

@@ -114,7 +114,10 @@ class RequestRows:
 
 
 def default_capture_layers(num_layers: int) -> list[int]:
-    """SGLang's default EAGLE-3 capture indices `[2, N//2, N-3]`: `[2, 30, 58]` for 61 layers."""
+    """SGLang's default EAGLE-3 capture indices `[2, N//2, N-3]`: `[2, 30, 58]` for 61 layers.
+
+    The copy of `eagle3.core.target.default_capture_layers` this server-side file needs, as it
+    imports nothing from eagle3; tests/extract/test_sglang_dump.py checks the two agree."""
     return [2, num_layers // 2, num_layers - 3]
 
 

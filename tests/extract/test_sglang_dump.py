@@ -234,3 +234,12 @@ def test_enable_capture_raises_when_sglang_captures_nothing(monkeypatch, config)
                             set_eagle3_layers_to_capture=lambda ids: None)  # a non-last PP rank
     with pytest.raises(sglang_dump.CaptureSetupError, match="pp-size"):
         sglang_dump.enable_capture(model)
+
+
+def test_default_capture_layers_agree_with_the_library_when_loaded_inside_sglang():
+    from eagle3.core import target
+    from eagle3.extract import sglang_dump
+
+    for num_layers in range(6, 129):
+        assert (sglang_dump.default_capture_layers(num_layers)
+                == target.default_capture_layers(num_layers)), num_layers

@@ -162,7 +162,8 @@ def test_openai_record_drops_end_of_turn_when_reply_was_cut_by_length(tokenizer)
     renderer = ChatRenderer(tokenizer, template_kwargs={"thinking": True})
     msgs = [{"role": "user", "content": "Hi"}]
     job = GenerationJob("a", "s", renderer.prompt_ids(msgs), 5, msgs)
-    backend = OpenAIBackend(ServerPool(["http://127.0.0.1:9"]), renderer, RetryPolicy(0.5, 3600.0), "m")
+    backend = OpenAIBackend(ServerPool(["http://127.0.0.1:9"]), renderer,
+                            RetryPolicy(0.5, 3600.0), "m")
     answer = {"choices": [{"message": {"content": "Hello there"}, "finish_reason": "length"}]}
     rec, _ = backend.to_record(job, answer)
     assert rec["finish_reason"] == "length"
