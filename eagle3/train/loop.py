@@ -268,7 +268,7 @@ class TrainRun:
     optimizer: torch.optim.Optimizer
     model: TTTModel
     ddp: torch.nn.Module  # `model` wrapped for data parallelism (itself on one rank)
-    forward: Callable  # `ddp`, compiled with --compile
+    forward: Callable  # `ddp`, under torch.compile when `rt.compile`
     feed: DevicePrefetcher
     metrics: MetricsLog
     clock: WindowClock
