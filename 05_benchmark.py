@@ -6,7 +6,11 @@ temperature 0, checked token for token against plain greedy decoding; speculativ
 above 0), for each `--steps`. `--backend sglang`: a baseline server (no draft) and a speculative
 server (EAGLE3 + this draft), attached by URL or launched here from `--launch-args`, measured at
 each `--concurrency` on each prompt set: tokens/s in total and per request, TTFT, acceptance
-length (sum completion_tokens / sum spec_verify_ct) and speedup. Both write
+length (sum completion_tokens / sum spec_verify_ct) and speedup. `--backend vllm`: the same
+against a plain and an EAGLE-3 vLLM server (`--speculative-config`, `--steps K` draft tokens;
+default draft `<workdir>/04_train/final_speculators`), acceptance from vLLM's `/metrics`
+counters, speculative outputs checked against plain ones at temperature 0 (eagle3/bench/vllm.py).
+All write
 `<workdir>/05_benchmark/results.json`, `report.md` and PNG plots (sglang: `requests.jsonl`
 with every request and its output ids, and the server logs when launched here).
 
@@ -34,6 +38,7 @@ from pathlib import Path
 
 from eagle3.bench.run import LoadSettings, combine, measure_server, run_offline
 from eagle3.bench.report import report_markdown, summary_rows, write_plots
+from eagle3.bench.vllm import check_vllm_draft, run_vllm
 from eagle3.core.chat import ChatRenderer
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.core.launcher import LaunchedServer, sglang_command
@@ -58,25 +63,30 @@ SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
 class BenchmarkConfig(UpstreamStageFlags):
     target: Path | None = arg(None, "target model folder: tokenizer and config (weights for hf)")
     draft: Path | None = arg(None, "draft folder (default: <workdir>/04_train/final)")
-    backend: str = arg("hf", "hf: offline in transformers; sglang: baseline vs speculative "
-                             "servers", choices=["hf", "sglang"])
+    backend: str = arg("hf", "hf: offline in transformers; sglang, vllm: baseline vs "
+                             "speculative servers", choices=["hf", "sglang", "vllm"])
     check_only: bool = arg(False, "run the preflight checks and exit (0 ok, 1 refused)")
     prompt_sets: list[str] = arg(["eval"], "eval, chat, code, math, tools, or JSONL paths")
     num_prompts: int = arg(64, "prompts per set (the first N)")
     max_new_tokens: int = arg(256, "tokens generated per prompt")
     temperature: float = arg(0.0, "0 = greedy; > 0 = sampling (hf: speculative sampling)")
     seed: int = arg(0, "sampling seed (hf backend)")
-    steps: list[int] = arg([3, 7], "hf: chain lengths (draft tokens per verify pass)")
+    steps: list[int] = arg([3, 7], "hf: chain lengths (draft tokens per verify pass); vllm: "
+                                   "one value, num_speculative_tokens")
     device: str = arg("cpu", "hf: torch device")
     dtype: str = arg("float32", "hf: target and draft dtype")
     baseline_url: str | None = arg(None, "sglang: running server without a draft")
     spec_url: str | None = arg(None, "sglang: running server with this draft (EAGLE3)")
-    launch_args: str | None = arg(None, "sglang: launch both servers here, one after the other, "
-                                        "with these SGLang flags (model, --tp-size ...)")
+    launch_args: str | None = arg(None, "sglang, vllm: launch both servers here, one after the "
+                                        "other, with these flags (sglang: --model-path, "
+                                        "--tp-size ...; vllm: --tensor-parallel-size ..., the "
+                                        "model is --target)")
     spec_args: str = arg(SPEC_DEFAULT, "sglang: extra flags of the launched speculative server "
                                        "(05 adds --speculative-algorithm EAGLE3 and the draft)")
     port: int = arg(30000, "sglang: port of the launched servers")
     sglang_python: str = arg(sys.executable, "sglang: python that runs sglang.launch_server")
+    vllm_python: str = arg(sys.executable, "vllm: python that runs vLLM's api_server (a venv "
+                                           "of its own, e.g. .venv-vllm/bin/python)")
     ready_timeout_s: float = arg(3600.0, "sglang: seconds a launched server may take to load")
     concurrency: list[int] = arg([1, 4, 16, 64], "sglang: requests in flight, per level")
     stream: bool = arg(True, "sglang: stream answers (needed for TTFT)")
@@ -87,9 +97,16 @@ class BenchmarkConfig(UpstreamStageFlags):
         if self.backend == "hf" and self.target is None:
             raise ValueError("--backend hf needs --target (the transformers model folder)")
         attach = self.baseline_url is not None or self.spec_url is not None
-        if self.backend == "sglang" and not self.check_only:
+        if self.backend == "vllm":
+            if self.target is None:
+                raise ValueError("--backend vllm needs --target (the served model folder)")
+            if len(self.steps) != 1:
+                raise ValueError("--backend vllm takes one --steps value (num_speculative_tokens "
+                                 "of the speculative server), e.g. --steps 3")
+        if self.backend in ("sglang", "vllm") and not self.check_only:
             if attach == (self.launch_args is not None):
-                raise ValueError("--backend sglang needs either --baseline-url and --spec-url "
+                raise ValueError(f"--backend {self.backend} needs either --baseline-url and "
+                                 "--spec-url "
                                  "(running servers) or --launch-args (start them here)")
             if attach and (self.baseline_url is None or self.spec_url is None):
                 raise ValueError("give both --baseline-url and --spec-url")
@@ -98,14 +115,19 @@ class BenchmarkConfig(UpstreamStageFlags):
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(BenchmarkConfig, argv, __doc__)
     setup_logging(cfg.log_level)
-    draft_dir = cfg.draft or cfg.workdir / STAGE_DIRS["04"] / "final"
+    draft_dir = cfg.draft or cfg.workdir / STAGE_DIRS["04"] / (
+        "final_speculators" if cfg.backend == "vllm" else "final")
     if cfg.check_only:
         return check_only(cfg, draft_dir)
     if EVAL_SET in cfg.prompt_sets:
         require_upstream(cfg.workdir / STAGE_DIRS["merge"], cfg.allow_partial)
     if cfg.draft is None:
         require_upstream(cfg.workdir / STAGE_DIRS["04"], cfg.allow_partial)
-    problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, cfg.sglang_version)
+    if cfg.backend == "vllm":
+        problems, layers, captures = check_vllm_draft(draft_dir, cfg.target, cfg.workdir)
+    else:
+        problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir,
+                                               cfg.sglang_version)
     raise_on_errors(problems, f"draft {draft_dir}")  # before any folder is made or server started
     stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
     if stage is None:
@@ -119,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {"backend": cfg.backend, "draft": str(draft_dir), "layers": layers,
                "preflight": [str(p) for p in problems],
                "prompts": {ps.name: len(ps.prompts) for ps in sets}}
-    measured = run(cfg, draft_dir, sets, stage.dir, renderer)
+    if cfg.backend == "vllm":  # captures: the layers 02b dumped, checked in the server's log
+        measured = run_vllm(cfg, draft_dir, sets, stage.dir, captures)
+    else:
+        measured = run(cfg, draft_dir, sets, stage.dir, renderer)
     results["preflight"] += measured.pop("preflight", [])  # the servers' own checks
     results.update(measured)
     atomic_write_json(stage.dir / "results.json", results)
@@ -135,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
     """Preflight of the draft and of the servers given by URL; prints every problem."""
+    if cfg.backend == "vllm":  # vLLM's rules only: the draft folder and its layers
+        problems, layers, _ = check_vllm_draft(draft_dir, cfg.target, cfg.workdir)
+        for p in problems:
+            print(p)
+        errors = sum(p.level == "error" for p in problems)
+        print(format_summary("05 preflight (vLLM)", {"draft": str(draft_dir), "layers": layers,
+                                                     "errors": errors}))
+        return 1 if errors else 0
     infos = asyncio.run(_server_infos({"baseline": cfg.baseline_url, "speculative": cfg.spec_url}))
     version = (infos.get("speculative") or {}).get("version") or cfg.sglang_version
     try:

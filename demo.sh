@@ -2,13 +2,14 @@
 # The whole pipeline on the embedded tiny target, on CPU, in a few minutes.
 # Every stage is the same script and code path as the real run; only the flags differ.
 # Usage: bash demo.sh [WORKDIR]   (default runs/demo; re-running resumes / skips finished stages)
+# EAGLE3_TINY_ARCH=llama bash demo.sh runs/llama: the same on the tiny Llama target (vLLM-servable).
 set -euo pipefail
 cd "$(dirname "$0")"
 W=${1:-runs/demo}
 T=$W/target
 export PYTHONUNBUFFERED=1
 
-python -m eagle3.tiny.target --out "$T"
+python -m eagle3.tiny.target --out "$T" --arch "${EAGLE3_TINY_ARCH:-deepseek_v3}"
 python 01_prepare_datasets.py --recipe datasets/demo.json --workdir "$W" --target "$T"
 python 01b_generate_synthetic.py --workdir "$W" --target "$T" --backend hf --max-new-tokens 48
 python datasets/merge_and_shuffle.py --workdir "$W" --eval-fraction 0.1

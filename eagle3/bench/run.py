@@ -208,8 +208,11 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, input_ids:
 
 
 async def run_level(base_url: str, prompts: list[list[int]], concurrency: int,
-                    load: LoadSettings, tag: str, bar=None) -> tuple[list[RequestRecord], float]:
-    """All requests of one concurrency level; returns the records and the wall time."""
+                    load: LoadSettings, tag: str, bar=None,
+                    send=None) -> tuple[list[RequestRecord], float]:
+    """All requests of one concurrency level; returns the records and the wall time.
+    `send` has `send_request`'s signature (default: SGLang's `/generate`; vLLM: bench/vllm.py)."""
+    send = send or send_request
     n = max(len(prompts), 2 * concurrency)
     limit = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -221,8 +224,7 @@ async def run_level(base_url: str, prompts: list[list[int]], concurrency: int,
                 p = i % len(prompts)
                 rid = f"bench-{tag}-{i}-{uuid.uuid4().hex[:8]}"
                 start = time.perf_counter() - t_level
-                ids, meta, ttft, latency = await send_request(session, base_url, prompts[p],
-                                                              rid, load)
+                ids, meta, ttft, latency = await send(session, base_url, prompts[p], rid, load)
                 if bar is not None:
                     bar.update(1)
                 return RequestRecord(p, rid, ids, int(meta.get("completion_tokens", len(ids))),

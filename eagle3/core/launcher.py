@@ -1,4 +1,4 @@
-"""Starting and stopping an SGLang server for a benchmark, keeping its log.
+"""Starting and stopping an SGLang (or vLLM) server for a benchmark, keeping its log.
 
     with LaunchedServer(sglang_command(python, "--model-path /models/K --tp-size 8", 30000),
                         log_path, "http://127.0.0.1:30000") as server:
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
-from eagle3.core.server import ServerError, ServerExitedError, wait_ready
+from eagle3.core.server import MODEL_INFO_PATHS, ServerError, ServerExitedError, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,10 @@ class LaunchedServer:
     """A server process started by us, ready on enter, stopped on exit."""
 
     def __init__(self, command: list[str], log_path: Path, url: str,
-                 ready_timeout_s: float = 3600.0, stop_timeout_s: float = 60.0):
+                 ready_timeout_s: float = 3600.0, stop_timeout_s: float = 60.0,
+                 ready_paths: tuple[str, ...] = MODEL_INFO_PATHS):
         self.command, self.log_path, self.url = command, Path(log_path), url
+        self.ready_paths = ready_paths  # vLLM: ("/v1/models",)
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
         self.proc: subprocess.Popen | None = None
 
@@ -77,7 +79,8 @@ class LaunchedServer:
     async def _wait_ready(self) -> None:
         async with aiohttp.ClientSession() as session:
             try:
-                await wait_ready(session, self.url, timeout_s=self.ready_timeout_s, poll_s=1.0,
+                await wait_ready(session, self.url, self.ready_paths,
+                                 timeout_s=self.ready_timeout_s, poll_s=1.0,
                                  request_timeout_s=5.0, process=self.proc)
             except ServerExitedError:
                 raise LaunchError(f"the server exited with status {self.proc.returncode} "

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3.tiny.archs import ARCHS, build_llama, deepseek_v3_vllm_fields
+
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = [
@@ -119,6 +121,11 @@ class TinyTargetConfig:
     bpe_vocab_size: int = 1024  # BPE vocabulary before the special tokens are added
     max_position_embeddings: int = 4096
     seed: int = 0
+    arch: str = "deepseek_v3"  # or "llama", "deepseek_v3_vllm" (eagle3/tiny/archs.py)
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown tiny target --arch {self.arch!r}: use one of {ARCHS}")
 
 
 def build_tokenizer(cfg: TinyTargetConfig):
@@ -148,9 +155,17 @@ def build_tokenizer(cfg: TinyTargetConfig):
 
 
 def build_model(cfg: TinyTargetConfig, vocab_size: int):
-    """A randomly initialised DeepseekV3ForCausalLM with MLA and MoE, seeded."""
+    """A randomly initialised DeepseekV3ForCausalLM with MLA and MoE (or `cfg.arch`), seeded."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+    if cfg.arch == "llama":
+        model = build_llama(cfg, vocab_size)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)  # as below
+        return model.eval()
+    mla = {"kv_lora_rank": 16, "qk_rope_head_dim": 8}
+    if cfg.arch == "deepseek_v3_vllm":
+        mla = deepseek_v3_vllm_fields()
     model_cfg = DeepseekV3Config(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -165,9 +180,8 @@ def build_model(cfg: TinyTargetConfig, vocab_size: int):
         n_group=1,
         topk_group=1,
         first_k_dense_replace=1,
-        kv_lora_rank=16,
         q_lora_rank=24,
-        qk_rope_head_dim=8,
+        **mla,
         qk_nope_head_dim=16,
         v_head_dim=16,
         max_position_embeddings=cfg.max_position_embeddings,
@@ -208,9 +222,11 @@ def make_tiny_target(out_dir: Path, cfg: TinyTargetConfig | None = None) -> Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the target to")
+    parser.add_argument("--arch", default=TinyTargetConfig.arch, choices=ARCHS,
+                        help="model architecture (default %(default)s; see eagle3/tiny/archs.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    make_tiny_target(args.out)
+    make_tiny_target(args.out, TinyTargetConfig(arch=args.arch))
     return 0
 
 

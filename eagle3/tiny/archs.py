@@ -1,0 +1,53 @@
+"""Other architectures of the embedded tiny target, next to the DeepSeek-V3 one (target.py).
+
+`--arch` of `python -m eagle3.tiny.target` picks one; the tokenizer and chat template are the same
+Kimi-style ones in every case, so every stage runs unchanged on each.
+
+- `deepseek_v3` (target.py): MLA with a 16-wide latent and MoE; transformers and the SGLang hook.
+- `llama`: a dense Llama (head_dim 32, GQA 4/2). vLLM's CPU build serves it with an EAGLE-3
+  draft (`LlamaForCausalLMEagle3`, the draft 04 trains), which a DeepSeek (MLA) target cannot
+  do on CPU: vLLM finds no common KV block size for the MLA target (16) and the Llama draft
+  (multiples of 32). An MLA draft (`Eagle3DeepseekV2ForCausalLM`) is the seam for that.
+- `deepseek_v3_vllm`: the DeepSeek-V3 target in the shape vLLM's CPU MLA kernel accepts:
+  `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (latent 576, the only size it has), and
+  `topk_method: "noaux_tc"`, `scoring_func: "sigmoid"` as DeepSeek-V3 and Kimi-K2.5 configs
+  carry (without them vLLM's loader looks for no `e_score_correction_bias` and fails with a
+  `KeyError`). transformers' DeepseekV3 always routes that way, so both compute the same model.
+
+    python -m eagle3.tiny.target --out runs/llama/target --arch llama
+"""
+
+from __future__ import annotations
+
+import torch
+
+ARCHS = ("deepseek_v3", "llama", "deepseek_v3_vllm")
+
+
+def build_llama(cfg, vocab_size: int):
+    """A randomly initialised LlamaForCausalLM, seeded: head_dim = hidden / heads = 32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = cfg.hidden_size // 32  # head_dim 32: the smallest vLLM's CPU attention serves
+    model_cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=32,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(cfg.seed)
+    return LlamaForCausalLM(model_cfg)
+
+
+def deepseek_v3_vllm_fields() -> dict:
+    """The DeepSeek-V3 config fields that make the tiny target servable by vLLM's CPU build."""
+    return {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid"}
