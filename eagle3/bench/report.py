@@ -2,7 +2,9 @@
 
 SGLang results: per prompt set, one row per concurrency level (acceptance length, speedup,
 tokens/s in total and per request, TTFT) and two plots, speedup and acceptance length against
-concurrency. Offline (hf) results: per prompt set, one row per chain length and a plot of the
+concurrency. vLLM results: the same table and plots, acceptance from vLLM's `/metrics`
+counters (1 + accepted / drafts) with the tokens per verify round counted from the outputs, the
+per-position acceptance and the loop share beside it. Offline (hf) results: per prompt set, one row per chain length and a plot of the
 acceptance length against the chain length.
 """
 
@@ -34,6 +36,8 @@ def report_markdown(results: dict) -> str:
     """report.md for either backend."""
     if results.get("backend") == "sglang":
         return _sglang_markdown(results)
+    if results.get("backend") == "vllm":
+        return _vllm_markdown(results)
     return _offline_markdown(results)
 
 
@@ -72,6 +76,40 @@ def _sglang_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+MEASURED_VLLM = """How these figures are measured: tok/s, TTFT and speedup as for SGLang (our own
+requests); acceptance length = 1 + accepted / drafts from the deltas of vLLM's
+`vllm:spec_decode_*` counters over the level; tokens/round = (completion tokens - 1 a request) /
+drafts, from the outputs; per-position = accepted at position i / drafts; loop share = share of
+the speculative outputs' tokens inside repetition loops (reference/loop_share.py)."""
+
+
+def _vllm_markdown(results: dict) -> str:
+    lines = _header(results, "05 benchmark (vLLM)")
+    for role, info in results.get("servers", {}).items():
+        lines.append(f"- {role} server: {info.get('url')} ({info.get('speculative') or 'no draft'}"
+                     f"; captures {info.get('layers') or '-'})")
+    lines += [f"- sampling: {results.get('sampling_params')}, streaming: {results.get('stream')}",
+              f"- speculative outputs differing from plain ones (temperature 0): "
+              f"{_f(results.get('lossless_mismatches'), 'd')}", ""]
+    for name, levels in results["prompt_sets"].items():
+        lines += [f"## {name} ({results.get('prompts', {}).get(name, '?')} prompts)", "",
+                  "| concurrency | acceptance length | tokens/round | per-position | loop share | "
+                  "speedup | spec tok/s | baseline tok/s | TTFT spec / baseline (ms) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c, row in levels.items():
+            s, b = row["speculative"], row["baseline"] or {}
+            pos = ", ".join(f"{x:.2f}" for x in s.get("per_position_acceptance") or [])
+            lines.append(
+                f"| {c} | {_f(s['acceptance_length'], '.3f')} | "
+                f"{_f(s.get('tokens_per_round'), '.3f')} | {pos or '-'} | "
+                f"{_f(s.get('loop_share'), '.2f')} | {_speedup(row['speedup'])} | "
+                f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
+                f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)} |")
+        lines.append("")
+    lines += [MEASURED_VLLM, ""]
+    return "\n".join(lines)
+
+
 def _offline_markdown(results: dict) -> str:
     lines = _header(results, "05 benchmark (offline, hf backend)")
     lines += ["", "| prompt set | temperature | steps | acceptance length | per-position acceptance"
@@ -101,6 +139,7 @@ def summary_rows(results: dict) -> tuple[dict, dict, bool]:
                 rows[f"{name} steps {s}: acceptance length"] = (
                     f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), lossless: {lossless}")
             continue
+        ok &= not results.get("lossless_mismatches")  # vLLM: speculative == plain at T=0
         for c, row in r.items():
             acc = row["speculative"]["acceptance_length"]
             outputs[f"{name} c={c}"] = acc or 0.0
@@ -119,7 +158,7 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     paths = []
-    if results.get("backend") == "sglang":
+    if results.get("backend") in ("sglang", "vllm"):
         panels = [("speedup", "speedup over no draft", "speedup_vs_concurrency.png", 1.0),
                   ("acceptance_length", "acceptance length", "acceptance_vs_concurrency.png",
                    None)]
