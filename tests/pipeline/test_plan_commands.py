@@ -386,3 +386,54 @@ def test_unknown_sglang_flags_are_named():
     (cmd,) = split_commands("python -m sglang.launch_server --tp-size 8 --speculative-algo EAGLE3"
                             " --port=30000", "doc")
     assert unknown_sglang_flags(cmd, {"--tp-size", "--port"}) == ["--speculative-algo"]
+
+
+# ---------------------------------------------------------------- vLLM's flags
+
+
+VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
+# Parses each command line (a JSON list of argv lists on stdin) with vLLM's own server parser.
+VLLM_PARSE = """
+import contextlib, io, json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+for argv in json.load(sys.stdin):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        print(json.dumps(None))
+    except SystemExit:
+        print(json.dumps(err.getvalue()[-400:]))
+"""
+
+
+def vllm_server_args(cmd: Command) -> list[str] | None:
+    """The server flags of `vllm serve MODEL ...`, `python -m vllm...api_server ...`, or of
+    `05_benchmark.py --backend vllm --launch-args ...` (05 adds --model and --port)."""
+    a = cmd.argv
+    if a[:2] == ["vllm", "serve"] and len(a) > 2:
+        return ["--model", *a[2:]]
+    if a and is_python(a[0]) and a[1:3] == ["-m", VLLM_API_SERVER]:
+        return a[3:]
+    if kind(cmd) == "script" and a[1].endswith("05_benchmark.py") and "vllm" in a:
+        if "--launch-args" in a:
+            return ["--model", "/models/m", *shlex.split(a[a.index("--launch-args") + 1])]
+    return None
+
+
+VLLM = [c for c in ALL if vllm_server_args(c) is not None]
+
+
+def test_plan_vllm_commands_parse_with_vllms_own_parser(vllm_python):
+    plan = [c for c in VLLM if c.where.startswith("train_plan_v4.md")]
+    assert any(c.argv[:2] == ["vllm", "serve"] for c in plan)  # the serving command
+    assert any("--launch-args" in c.argv for c in plan)  # 05 launches its servers
+    proc = subprocess.run([vllm_python, "-c", VLLM_PARSE], capture_output=True, text=True,
+                          input=json.dumps([vllm_server_args(c) for c in VLLM]), timeout=600,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    errors = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith(("n", '"'))]
+    assert len(errors) == len(VLLM), proc.stdout[-2000:]
+    bad = {str(c): e for c, e in zip(VLLM, errors) if e}
+    assert not bad, bad
