@@ -154,7 +154,7 @@ def logged_capture_layers(log_text: str) -> list[int] | None:
 
 def speculative_config(draft_dir: Path, num_speculative_tokens: int) -> str:
     """The `--speculative-config` JSON of an EAGLE-3 chain of `num_speculative_tokens`."""
-    return json.dumps({"method": "eagle3", "model": str(draft_dir),
+    return json.dumps({"method": "eagle3", "model": str(Path(draft_dir).resolve()),
                        "num_speculative_tokens": num_speculative_tokens})
 
 

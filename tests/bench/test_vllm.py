@@ -75,7 +75,8 @@ def test_vllm_command_sets_model_port_and_speculative_config_itself(tmp_path):
     assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model",
                        str(tmp_path / "t")]
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
-        "method": "eagle3", "model": str(tmp_path / "d"), "num_speculative_tokens": 3}
+        "method": "eagle3", "model": str((tmp_path / "d").resolve()),
+        "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="--port"):
         vllm_command("py", tmp_path, "--port 1", 8000)
 
