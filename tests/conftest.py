@@ -67,7 +67,7 @@ def llama_run(tmp_path_factory) -> Path:
 
     workdir = tmp_path_factory.mktemp("llama") / "run"
     proc = subprocess.run(["bash", str(ROOT / "demo.sh"), str(workdir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200,
+                          capture_output=True, text=True, timeout=3600,
                           env={**os.environ, "EAGLE3_TINY_ARCH": "llama"})
     if proc.returncode != 0:
         raise AssertionError(f"demo.sh (llama) failed ({proc.returncode}):\n"

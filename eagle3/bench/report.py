@@ -90,7 +90,7 @@ def _vllm_markdown(results: dict) -> str:
                      f"; captures {info.get('layers') or '-'})")
     lines += [f"- sampling: {results.get('sampling_params')}, streaming: {results.get('stream')}",
               f"- speculative outputs differing from plain ones (temperature 0): "
-              f"{_f(results.get('lossless_mismatches'), 'd')}", ""]
+              f"{results.get('lossless_mismatches', '-')}", ""]
     for name, levels in results["prompt_sets"].items():
         lines += [f"## {name} ({results.get('prompts', {}).get(name, '?')} prompts)", "",
                   "| concurrency | acceptance length | tokens/round | per-position | loop share | "

@@ -21,12 +21,36 @@ from eagle3.bench.preflight import PreflightError
 LAUNCH_ARGS = "--enforce-eager --dtype float32 --max-model-len 1024"
 # Measured (BENCHMARKS.md, "vLLM served vs offline"): see test_served_acceptance_...
 AGREEMENT_TOLERANCE = 0.02
+NOISE_STD = 2.0  # x the lm_head's std: offline acceptance ~1.7 of a ceiling of 4 (measured)
 
 
 def _server_env(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
+
+
+def noised_drafts(run: Path, out: Path, std: float = 1.0, seed: int = 0) -> tuple[Path, Path]:
+    """04's two folders (SGLang's final/, speculators' final_speculators/) with the same seeded
+    noise added to the draft's lm_head: a draft that accepts some of its tokens, not all (the
+    demo's random target loops, and the trained draft reaches the ceiling), equal in both."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folders = []
+    for name in ("final", "final_speculators"):
+        dst = out / name
+        shutil.copytree(run / "04_train" / name, dst)
+        tensors = load_file(dst / "model.safetensors")
+        w = tensors["lm_head.weight"].float()
+        gen = torch.Generator().manual_seed(seed)
+        noise = torch.randn(w.shape, generator=gen) * w.std() * std
+        tensors["lm_head.weight"] = (w + noise).to(torch.bfloat16)
+        save_file(tensors, dst / "model.safetensors", {"format": "pt"})
+        folders.append(dst)
+    return folders[0], folders[1]
 
 
 def _workdir_sharing(run: Path, tmp: Path) -> Path:
@@ -38,26 +62,45 @@ def _workdir_sharing(run: Path, tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_bench(llama_run, vllm_python, tmp_path_factory):
-    """05 --backend vllm on the Llama demo run: (workdir, results)."""
+def drafts(llama_run, tmp_path_factory):
+    """(SGLang folder, speculators folder) of the same partly-accepting draft."""
+    return noised_drafts(llama_run, tmp_path_factory.mktemp("drafts"), std=NOISE_STD)
+
+
+def _bench(llama_run, workdir: Path, backend_args: list[str]) -> dict:
+    argv = ["--workdir", str(workdir), "--target", str(llama_run / "target"), "--steps", "3",
+            "--prompt-sets", "eval", "--num-prompts", "8", "--max-new-tokens", "32",
+            *backend_args]
+    rc = importlib.import_module("05_benchmark").main(argv)
+    results = json.loads((workdir / "05_benchmark/results.json").read_text())
+    return {"rc": rc, "workdir": workdir, **results}
+
+
+@pytest.fixture(scope="module")
+def offline(llama_run, drafts, tmp_path_factory):
+    """05 --backend hf (the offline evaluator) with the draft: same prompts, chain of 3."""
+    workdir = _workdir_sharing(llama_run, tmp_path_factory.mktemp("offline") / "run")
+    return _bench(llama_run, workdir, ["--backend", "hf", "--draft", str(drafts[0])])
+
+
+@pytest.fixture(scope="module")
+def served(llama_run, drafts, vllm_python, tmp_path_factory):
+    """05 --backend vllm with the same draft: a plain and a speculative vLLM server."""
     mp = pytest.MonkeyPatch()
     _server_env(mp)
     workdir = _workdir_sharing(llama_run, tmp_path_factory.mktemp("vllm") / "run")
-    argv = ["--workdir", str(workdir), "--target", str(llama_run / "target"), "--backend",
-            "vllm", "--vllm-python", vllm_python, "--launch-args", LAUNCH_ARGS, "--port",
-            "30123", "--steps", "3", "--prompt-sets", "eval", "--num-prompts", "8",
-            "--max-new-tokens", "32", "--concurrency", "1", "4", "--ready-timeout-s", "600"]
     try:
-        rc = importlib.import_module("05_benchmark").main(argv)
+        return _bench(llama_run, workdir, [
+            "--backend", "vllm", "--draft", str(drafts[1]), "--vllm-python", vllm_python,
+            "--launch-args", LAUNCH_ARGS, "--port", "30123", "--concurrency", "1", "4",
+            "--ready-timeout-s", "900"])
     finally:
         mp.undo()
-    results = json.loads((workdir / "05_benchmark/results.json").read_text())
-    return workdir, rc, results
 
 
-def test_vllm_benchmark_serves_the_trained_draft_losslessly(vllm_bench, llama_run):
-    workdir, rc, results = vllm_bench
-    assert rc == 0
+def test_vllm_benchmark_serves_the_trained_draft_losslessly(served, llama_run):
+    results, workdir = served, served["workdir"]
+    assert results["rc"] == 0
     assert results["lossless_mismatches"] == 0  # speculative == plain, token for token
     captures = json.loads((llama_run / "02b_hidden_states/manifest.json").read_text())[
         "capture_layers"]
@@ -66,7 +109,7 @@ def test_vllm_benchmark_serves_the_trained_draft_losslessly(vllm_bench, llama_ru
         row = results["prompt_sets"]["eval"][c]
         spec, base = row["speculative"], row["baseline"]
         assert spec["drafts"] > 0 and base["drafts"] == 0
-        assert 1.0 < spec["acceptance_length"] <= 4.0
+        assert 1.0 < spec["acceptance_length"] < 4.0
         assert base["total_tok_s"] > 0 and spec["ttft_mean_s"] is not None
         assert 0.0 <= spec["loop_share"] <= 1.0
     report = (workdir / "05_benchmark/report.md").read_text()
@@ -74,25 +117,26 @@ def test_vllm_benchmark_serves_the_trained_draft_losslessly(vllm_bench, llama_ru
     assert (workdir / "05_benchmark/speedup_vs_concurrency.png").is_file()
 
 
-def test_vllm_acceptance_length_equals_tokens_per_verify_round(vllm_bench):
-    """1 + accepted / drafts (vLLM's counters) is what one verify round commits: counted from
-    the outputs it is the same up to the rounds cut at max_tokens / end of turn."""
-    _, _, results = vllm_bench
-    spec = results["prompt_sets"]["eval"]["1"]["speculative"]
-    assert spec["tokens_per_round"] == pytest.approx(spec["acceptance_length"], abs=0.1)
+def test_vllm_acceptance_length_equals_tokens_per_verify_round(served):
+    """1 + accepted / drafts (vLLM's counters) is what one verify round commits. Counted from
+    the outputs it is the same but for the last round of a request, which max_tokens or the
+    end of turn may cut by up to 3 tokens (vLLM counts them accepted, the output drops them;
+    measured: 3.875 against 4.000, one token cut in each of 8 requests over 64 rounds)."""
+    for c in ("1", "4"):
+        spec = served["prompt_sets"]["eval"][c]["speculative"]
+        cut = (spec["acceptance_length"] - spec["tokens_per_round"]) * spec["drafts"]
+        assert 0 <= cut <= 3 * spec["requests"] + 1e-6, spec
 
 
-def test_served_acceptance_equals_the_offline_evaluators(vllm_bench, llama_run):
+def test_served_acceptance_equals_the_offline_evaluators(served, offline):
     """Same target, draft, prompts, chain of 3 at temperature 0: vLLM's served acceptance and
-    eagle3/bench/evaluate.py's agree (the demo's 05 --backend hf ran the same 8 eval prompts,
-    32 new tokens)."""
-    _, _, results = vllm_bench
-    offline = json.loads((llama_run / "05_benchmark/results.json").read_text())
+    eagle3/bench/evaluate.py's agree."""
     off = offline["prompt_sets"]["eval"]["steps"]["3"]
-    served = results["prompt_sets"]["eval"]["1"]["speculative"]
-    assert served["outputs"] == offline["prompt_sets"]["eval"]["baseline_outputs"]
-    assert served["acceptance_length"] == pytest.approx(off["acceptance_length"],
-                                                        abs=AGREEMENT_TOLERANCE)
+    spec = served["prompt_sets"]["eval"]["1"]["speculative"]
+    assert spec["outputs"] == offline["prompt_sets"]["eval"]["baseline_outputs"]
+    assert 1.2 < off["acceptance_length"] < 3.5  # the draft accepts some tokens, not all
+    assert spec["acceptance_length"] == pytest.approx(off["acceptance_length"],
+                                                      abs=AGREEMENT_TOLERANCE)
 
 
 def test_vllm_benchmark_refuses_the_sglang_draft_folder_before_starting_a_server(
@@ -111,7 +155,6 @@ def test_deepseek_v3_vllm_target_serves_greedy_outputs_equal_to_transformers(
         vllm_python, tmp_path, monkeypatch):
     import asyncio
 
-    import aiohttp
     import torch
     from transformers import AutoModelForCausalLM
 
