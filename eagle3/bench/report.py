@@ -4,8 +4,8 @@ SGLang results: per prompt set, one row per concurrency level (acceptance length
 tokens/s in total and per request, TTFT) and two plots, speedup and acceptance length against
 concurrency. vLLM results: the same table and plots, acceptance from vLLM's `/metrics`
 counters (1 + accepted / drafts) with the tokens per verify round counted from the outputs, the
-per-position acceptance and the loop share beside it. Offline (hf) results: per prompt set, one row per chain length and a plot of the
-acceptance length against the chain length.
+per-position acceptance and the loop share beside it. Offline (hf) results: per prompt set,
+one row per chain length and a plot of the acceptance length against the chain length.
 """
 
 from __future__ import annotations

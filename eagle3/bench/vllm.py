@@ -42,7 +42,7 @@ from pathlib import Path
 
 import aiohttp
 
-from eagle3.bench.preflight import PreflightError, Problem
+from eagle3.core.preflight import PreflightError, Problem
 from eagle3.bench.run import LoadSettings, run_level, summarize_level
 from eagle3.core.launcher import LaunchedServer
 from eagle3.core.server import ServerError, get_json
@@ -112,7 +112,7 @@ def check_vllm_draft(draft_dir: Path, target_dir: Path, workdir: Path | None
     every weight name and shape, and the layers vLLM will capture against those 02b dumped
     (`<workdir>/02b_hidden_states/manifest.json`, else the default `[2, N//2, N-3]`).
     Returns (problems, layer report, the captures the draft was trained on)."""
-    from eagle3.bench.preflight import read_draft_config, read_tensor_shapes
+    from eagle3.draft.check import read_draft_config, read_tensor_shapes
     from eagle3.core.stage import STAGE_DIRS, read_manifest
     from eagle3.core.target import default_capture_layers, read_target_info
     from eagle3.draft.export import expected_tensors

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.bench.preflight import PreflightError
+from eagle3.core.preflight import PreflightError
 
 # float32 like the offline evaluator (vLLM's CPU build casts float32 checkpoints to bfloat16 by
 # default); eager (no compile: start-up in tens of seconds); a context the demo prompts fit.

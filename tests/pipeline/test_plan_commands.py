@@ -293,7 +293,8 @@ def unknown_sglang_flags(cmd: Command, flags: set[str]) -> list[str]:
 def embedded_sglang_commands(cmd: Command) -> list[Command]:
     """SGLang flags that 05_benchmark.py passes on to the servers it launches."""
     out = []
-    if kind(cmd) == "script" and cmd.argv[1].endswith("05_benchmark.py"):
+    if kind(cmd) == "script" and cmd.argv[1].endswith("05_benchmark.py") and not any(
+            a == "vllm" and b == "--backend" for b, a in zip(cmd.argv, cmd.argv[1:])):
         for flag, value in zip(cmd.argv, cmd.argv[1:]):
             if flag in ("--launch-args", "--spec-args"):
                 out.append(Command(f"{cmd.where} ({flag})",
@@ -370,7 +371,7 @@ def test_split_commands_joins_continuations_and_drops_redirections_and_pipes():
     ("python 03_build_vocab_mapping.py --workdir w --target t --draft-vocab-size 32000",
      "unrecognized arguments: --draft-vocab-size"),
     ("python 03_build_vocab_mapping.py --workdir w", "--target"),  # a required flag missing
-    ("python 05_benchmark.py --workdir w --backend vllm", "invalid choice"),
+    ("python 05_benchmark.py --workdir w --backend trtllm", "invalid choice"),
     ("python 05_benchmark.py --workdir w --backend hf", "needs --target"),  # __post_init__
     ("python -m eagle3.extract.patching --chek", "unrecognized arguments"),
     ("torchrun --nproc-per-node 8 04_train.py --workdir w --target t --epochz 3", "--epochz"),
@@ -416,7 +417,7 @@ def vllm_server_args(cmd: Command) -> list[str] | None:
         return ["--model", *a[2:]]
     if a and is_python(a[0]) and a[1:3] == ["-m", VLLM_API_SERVER]:
         return a[3:]
-    if kind(cmd) == "script" and a[1].endswith("05_benchmark.py") and "vllm" in a:
+    if kind(cmd) == "script" and a[1].endswith("05_benchmark.py") and "vllm" in a[1:]:
         if "--launch-args" in a:
             return ["--model", "/models/m", *shlex.split(a[a.index("--launch-args") + 1])]
     return None
