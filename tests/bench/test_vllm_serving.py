@@ -19,8 +19,11 @@ from eagle3.core.preflight import PreflightError
 # float32 like the offline evaluator (vLLM's CPU build casts float32 checkpoints to bfloat16 by
 # default); eager (no compile: start-up in tens of seconds); a context the demo prompts fit.
 LAUNCH_ARGS = "--enforce-eager --dtype float32 --max-model-len 1024"
-# Measured (BENCHMARKS.md, "vLLM served vs offline"): see test_served_acceptance_...
-AGREEMENT_TOLERANCE = 0.02
+# Measured (BENCHMARKS.md, "vLLM served vs offline"): identical, 172 rounds and 78 accepted
+# tokens on both sides, per position too. The tolerance leaves room for one or two argmax ties
+# that float32 kernels may break differently on another CPU (each moves it by ~1/172).
+AGREEMENT_TOLERANCE = 0.015
+TIE_MARGIN = 0.02  # logits: a flip of greedy argmax this close is numerics, not a bug
 NOISE_STD = 2.0  # x the lm_head's std: offline acceptance ~1.7 of a ceiling of 4 (measured)
 
 
@@ -137,6 +140,9 @@ def test_served_acceptance_equals_the_offline_evaluators(served, offline):
     assert 1.2 < off["acceptance_length"] < 3.5  # the draft accepts some tokens, not all
     assert spec["acceptance_length"] == pytest.approx(off["acceptance_length"],
                                                       abs=AGREEMENT_TOLERANCE)
+    assert abs(spec["drafts"] - off["verify_passes"]) <= 2  # vLLM's rounds = the evaluator's
+    assert spec["per_position_acceptance"] == pytest.approx(off["per_position_acceptance"],
+                                                            abs=2 * AGREEMENT_TOLERANCE)
 
 
 def test_vllm_benchmark_refuses_the_sglang_draft_folder_before_starting_a_server(
@@ -177,4 +183,16 @@ def test_deepseek_v3_vllm_target_serves_greedy_outputs_equal_to_transformers(
         records, _ = asyncio.run(run_level(url, prompts, 1, load, "ds",
                                            send=completion_sender(str(target))))
     got = [r.output_ids for r in sorted(records, key=lambda r: r.prompt_index)][:4]
-    assert got == want and sum(map(len, got)) > 16
+    # Equal token for token, except where transformers' own top two logits are a near-tie
+    # (measured: one prompt of four flips at a margin of 0.005 on logits ~4, MLA absorbed by
+    # vLLM's CPU kernel vs transformers' naive MLA); after the first flip the texts differ.
+    equal = 0
+    for p, g, w in zip(prompts, got, want):
+        d = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if d is None:
+            equal += len(g) == len(w)
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([p + w[:d]])).logits[0, -1]
+        assert abs(float(logits[w[d]] - logits[g[d]])) < TIE_MARGIN, (p, d, g, w)
+    assert equal >= 3 and sum(map(len, got)) > 16
