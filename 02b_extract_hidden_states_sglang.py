@@ -4,7 +4,9 @@
 Reads `<workdir>/01c_merged/{train,eval}.jsonl`; writes
 `<workdir>/02b_hidden_states/<split>/shard_NNNNN/data_<idx>.pt` (PIPELINE.md layout): the aux
 states at the capture layers ([2, N//2, N-3]; [2, 30, 58] for Kimi-K2.5) and the final
-post-norm state, bf16 or fp8 (`--dtype fp8`: e4m3 aux states with a per-token scale).
+post-norm state, bf16 or fp8 (`--dtype fp8`: e4m3 aux states with a per-token scale;
+`fp8-all`: the final state in e4m3 too; `fp8-topk`: instead of the final state, the teacher's
+`--teacher-topk` largest draft-vocabulary log-probs, which needs 03's vocab mapping first).
 
 Backends: `sglang` (default) sends every sample to a patched SGLang server (see
 `patches/README.md`; `eagle3/extract/sglang.py` for what is checked) and converts the dumps it
@@ -46,9 +48,11 @@ from eagle3.core.records import read_jsonl
 from eagle3.extract.sglang_dump import DEFAULT_RID_PREFIX
 from eagle3.core.stage import STAGE_DIRS, open_stage, require_upstream
 from eagle3.core.target import default_capture_layers, load_hf_model, read_target_info
+from eagle3.extract.teacher import load_teacher_head
 
 STAGE = STAGE_DIRS["02b"]
 UPSTREAM = STAGE_DIRS["merge"]
+VOCAB = STAGE_DIRS["03"]  # the draft vocabulary of --dtype fp8-topk
 
 
 @dataclass
@@ -59,8 +63,13 @@ class ExtractConfig(UpstreamStageFlags):
                                  "transformers target", choices=["sglang", "hf"])
     capture_layers: list[int] = arg([], "capture indices (residual entering layer i); "
                                         "empty = SGLang's default [2, N//2, N-3]")
-    dtype: str = arg("bf16", "storage of the aux states: bf16 or fp8 (e4m3 + per-token scale)",
+    dtype: str = arg("bf16", "file layout: bf16; fp8 (aux states e4m3 + per-token scale); "
+                             "fp8-all (the final state too); fp8-topk (fp8 aux states and the "
+                             "top-k teacher instead of the final state; needs 03 first)",
                      choices=list(DTYPES))
+    teacher_topk: int = arg(64, "fp8-topk: draft-vocabulary log-probs stored per token (K)")
+    teacher_device: str = arg("", "fp8-topk: torch device of the teacher's lm_head matmuls "
+                                  "('' = --device; a GPU at Kimi size)")
     splits: list[str] = arg(["train", "eval"], "merged splits to extract")
     disk_margin: float = arg(0.1, "free disk required beyond the estimate (fraction)")
     accept_failures: bool = arg(False, "complete the stage even if records failed every attempt")
@@ -92,6 +101,23 @@ class ExtractConfig(UpstreamStageFlags):
             raise ValueError("--workers, --max-attempts and --max-batch-size must be >= 1")
         if self.concurrency < 0 or self.verify_against_hf < 0 or self.disk_margin < 0:
             raise ValueError("--concurrency, --verify-against-hf and --disk-margin must be >= 0")
+        if self.teacher_topk < 1:
+            raise ValueError("--teacher-topk must be >= 1 (64 keeps Kimi-K2.5 under 22 KB/token)")
+
+    @property
+    def topk(self) -> int:
+        """K of the stored teacher; 0 when the layout stores the final state."""
+        return self.teacher_topk if self.dtype == "fp8-topk" else 0
+
+
+def maybe_teacher(cfg: ExtractConfig, model=None):
+    """The TeacherHead of --dtype fp8-topk (from the loaded hf model's lm_head when given)."""
+    if not cfg.topk:
+        return None
+    require_upstream(cfg.workdir / VOCAB, cfg.allow_partial)
+    head = model.get_output_embeddings().weight if model is not None else None
+    return load_teacher_head(cfg.target, cfg.workdir / VOCAB / "vocab_mapping.safetensors",
+                             cfg.teacher_topk, cfg.teacher_device or cfg.device, head)
 
 
 def sglang_options(cfg: ExtractConfig) -> SglangOptions:
@@ -117,21 +143,23 @@ def main(argv: list[str] | None = None) -> int:
         stage.add_input(src)
         writers[split] = SplitWriter(stage.dir / split, list(read_jsonl(src)))
     check_output_disk(stage.dir, list(writers.values()), info.hidden_size, cfg.dtype,
-                      cfg.disk_margin)
+                      cfg.disk_margin, cfg.topk)
     extra = {"capture_layers": layers, "hidden_size": info.hidden_size, "backend": cfg.backend,
-             "dtype": cfg.dtype, "bytes_per_token": bytes_per_token(info.hidden_size, cfg.dtype)}
+             "dtype": cfg.dtype, "teacher_topk": cfg.topk,
+             "bytes_per_token": bytes_per_token(info.hidden_size, cfg.dtype, cfg.topk)}
     if cfg.backend == "hf":
         model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device)
         outputs = extract_hf(model, writers, layers, cfg.dtype, cfg.max_batch_tokens,
-                             cfg.max_batch_size)
+                             cfg.max_batch_size, maybe_teacher(cfg, model))
     else:
-        verify = None
+        verify, teacher = None, maybe_teacher(cfg)
         if cfg.verify_against_hf:
             model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device)
-            verify = make_verifier(model, layers, cfg.verify_tolerance)
+            verify = make_verifier(model, layers, cfg.verify_tolerance, teacher)
         expected = Expected(info.hidden_size, tuple(layers), cfg.target)
         outputs, more = asyncio.run(extract_sglang(sglang_options(cfg), expected, cfg.dtype,
-                                                   writers, cfg.verify_against_hf, verify))
+                                                   writers, cfg.verify_against_hf, verify,
+                                                   teacher))
         extra.update(more)
     failed = sum(o["failed"] for o in outputs.values())
     rows = summary_rows(outputs, time.time() - t0)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from eagle3.train import distributed
 from eagle3.core.cli import config_dict, parse_config, setup_logging
-from eagle3.train.data import list_files, sample_lengths
+from eagle3.train.data import check_teacher_vocab, index_files, list_files
 from eagle3.draft.export import export_sglang
 from eagle3.draft.layers import describe_layers, layer_ids_for
 from eagle3.core.progress import format_summary, human_seconds, progress
@@ -35,26 +35,30 @@ from eagle3.core.target import load_embedding, load_lm_head, read_target_info
 from eagle3.train.loop import (TrainConfig, TrainData, build_draft, build_draft_config,
                           build_runtime, train)
 from eagle3.train.log import plot_metrics
-from eagle3.vocab.mapping import hot_ids_from_d2t
+from eagle3.vocab.mapping import hot_ids_from_d2t, vocab_sha256
 
 STAGE = STAGE_DIRS["04"]
 
 
-def load_data(cfg: TrainConfig, stage_dir, is_main: bool) -> TrainData:
-    """File lists and token counts of both splits (counted once, cached in the stage folder)."""
+def load_data(cfg: TrainConfig, stage_dir, is_main: bool, d2t) -> TrainData:
+    """File lists, token counts and layouts of both splits (read once, cached in the stage
+    folder); files of every layout mix, those with a top-k teacher must match the vocab."""
     root = cfg.workdir / STAGE_DIRS["02b"]
-    out = {}
+    out, topk = {}, 0
     if not is_main:
         distributed.barrier()  # rank 0 counts first; the others read its cache
     for split in ("train", "eval"):
         files = list_files(root / split)
         bar = progress(total=len(files), desc=f"04 index {split}", unit="file") if is_main else None
-        out[split] = (files, sample_lengths(files, stage_dir / f"lengths_{split}.json", bar))
+        index = index_files(files, stage_dir / f"lengths_{split}.json", bar)
+        check_teacher_vocab(files, index, vocab_sha256(d2t))
+        out[split] = (files, index.lengths)
+        topk = max([topk, *index.topk])
         if bar is not None:
             bar.close()
     if is_main:
         distributed.barrier()
-    return TrainData(*out["train"], *out["eval"])
+    return TrainData(*out["train"], *out["eval"], teacher_topk=topk)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = build_draft(dcfg, cfg.seed, mapping["d2t"], mapping["t2d"])
     teacher = load_lm_head(cfg.target, hot_ids_from_d2t(mapping["d2t"]))  # [draft_vocab, Ht]
     embed = load_embedding(cfg.target)
-    data = load_data(cfg, stage_dir, dist_info.is_main)
+    data = load_data(cfg, stage_dir, dist_info.is_main, mapping["d2t"])
     summary = train(cfg, stage_dir, data, draft, embed, teacher,
                     build_runtime(cfg, device, dist_info))
     distributed.shutdown()

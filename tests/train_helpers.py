@@ -16,7 +16,7 @@ import torch
 
 
 from eagle3.core import hidden_states as hs
-from eagle3.train.data import list_files, sample_lengths
+from eagle3.train.data import index_files, list_files
 from eagle3.train.distributed import DistInfo
 from eagle3.draft.model import DraftConfig
 from eagle3.core.stage import atomic_torch_save
@@ -28,8 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 H, VT, VD = 16, 40, 24
 
 
-def write_dataset(root: Path, n: int, seed: int, lengths=(12, 60)) -> None:
-    """`n` hidden-state files under `root/shard_00000/` (bf16, PIPELINE.md layout)."""
+def write_dataset(root: Path, n: int, seed: int, lengths=(12, 60), layouts=("bf16",),
+                  topk: int = 8) -> None:
+    """`n` hidden-state files under `root/shard_00000/` (PIPELINE.md layout); file i in layout
+    `layouts[i % len(layouts)]` (fp8-topk: the teacher of tiny_teacher_head(topk))."""
+    head = tiny_teacher_head(topk) if "fp8-topk" in layouts else None
     g = torch.Generator().manual_seed(seed)
     table = torch.randn(VT, 4, H, generator=torch.Generator().manual_seed(99))
     for i in range(n):
@@ -37,8 +40,10 @@ def write_dataset(root: Path, n: int, seed: int, lengths=(12, 60)) -> None:
         ids = torch.randint(0, VT, (T,), generator=g)
         mask = (torch.arange(T) >= T // 3).long()
         states = table[ids]  # [T, 4, H]
+        layout = layouts[i % len(layouts)]
         data = hs.pack(ids, mask, [states[:, j] for j in range(3)], states[:, 3],
-                       {"id": f"t/{i}", "capture_layers": [2, 4, 5], "final": "post_norm"})
+                       {"id": f"t/{i}", "capture_layers": [2, 4, 5], "final": "post_norm"},
+                       layout, head if layout == "fp8-topk" else None)
         atomic_torch_save(data, hs.file_path(root, i))
 
 
@@ -55,6 +60,20 @@ def tiny_parts(seed: int = 0):
     return draft, torch.randn(VT, H, generator=g), torch.randn(VD, H, generator=g)
 
 
+def tiny_lm_head():
+    """(full lm_head `[VT, H]` whose draft-vocabulary rows are tiny_parts' teacher, d2t)."""
+    _, _, teacher = tiny_parts()
+    full = torch.randn(VT, H, generator=torch.Generator().manual_seed(8))
+    full[torch.arange(VD) + 3] = teacher
+    return full, torch.full((VD,), 3, dtype=torch.long)
+
+
+def tiny_teacher_head(k: int):
+    from eagle3.extract.teacher import TeacherHead
+
+    return TeacherHead(*tiny_lm_head(), k)
+
+
 def tiny_config(workdir: Path, **overrides) -> TrainConfig:
     base = dict(target=workdir, workdir=workdir, ttt_steps=3, epochs=2, max_seq_len=64,
                 pack_tokens=128, lr=3e-3, warmup_steps=2, eval_every=5, save_every=3,
@@ -64,11 +83,13 @@ def tiny_config(workdir: Path, **overrides) -> TrainConfig:
 
 
 def load_tiny_data(data_root: Path) -> TrainData:
-    splits = {}
+    splits, topk = {}, 0
     for split in ("train", "eval"):
         files = list_files(data_root / split)
-        splits[split] = (files, sample_lengths(files))
-    return TrainData(*splits["train"], *splits["eval"])
+        index = index_files(files)
+        splits[split] = (files, index.lengths)
+        topk = max([topk, *index.topk])
+    return TrainData(*splits["train"], *splits["eval"], teacher_topk=topk)
 
 
 def run_tiny(data_root: Path, out_dir: Path, dist: DistInfo | None = None,

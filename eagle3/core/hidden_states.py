@@ -11,10 +11,24 @@ Capture index i is the residual stream entering decoder layer i: transformers'
 lm_head sees, after the model's final norm: `output_hidden_states[-1]` in transformers, which is
 checked against `model.model.norm` in the tests.
 
-Size on disk, per token (H = hidden size): bf16 `8H + 16` bytes (four bf16 rows, two int64
-ids), fp8 `5H + 28` (three e4m3 rows + three float32 scales, one bf16 row, two int64), plus
-under FILE_OVERHEAD_BYTES per file (torch.save's zip records). Kimi-K2.5 (H = 7168): 57,360 and
-35,868 bytes a token.
+Layouts (`--dtype` of 02b; `meta.layout` names the two compact ones, older files are told by
+`meta.dtype`):
+- `bf16` (default): four bf16 tensors.
+- `fp8`: the three aux tensors e4m3 + per-token scale, the final state bf16.
+- `fp8-all`: all four tensors e4m3 + per-token scale (`hidden_states_scale[3]` is set too).
+- `fp8-topk`: the three aux tensors e4m3 + scale and, instead of the final state (which is only
+  the teacher's input), the teacher itself: `teacher_ids` int16 `[T, K]` (draft ids, largest
+  first), `teacher_logprobs` float16 `[T, K]` (log-softmax of `lm_head_hot @ final` over the whole
+  draft vocabulary, so `1 - sum(exp)` is the mass outside the top K), and `target_top` int32 `[T]`
+  (the target's full-vocabulary argmax, a target id: what the acceptance estimate needs).
+  `hidden_states` holds 3 tensors; `meta` gains `topk`, `draft_vocab` and `vocab_sha256` (of the
+  03 mapping's `d2t`), so that 04 refuses files made with another draft vocabulary.
+
+Size on disk, per token (H = hidden size, K = top-k), two int64 ids included: bf16 `8H + 16`,
+fp8 `5H + 28`, fp8-all `4H + 32`, fp8-topk `3H + 4K + 32` (three e4m3 rows, three float32
+scales, K int16 ids + K float16 log-probs, one int32), plus under FILE_OVERHEAD_BYTES per file
+(torch.save's zip records). Kimi-K2.5 (H = 7168): 57,360, 35,868, 28,704 and (K = 64) 21,792
+bytes a token.
 """
 
 from __future__ import annotations
@@ -30,7 +44,8 @@ log = logging.getLogger(__name__)
 
 FILES_PER_SHARD = 1000
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "fp8-all", "fp8-topk")  # the layouts; "fp8" = fp8 aux, bf16 final
+TOPK_MAX_DRAFT_VOCAB = 32768  # draft ids are stored as int16
 FILE_OVERHEAD_BYTES = 4096  # torch.save zip headers, pickle and meta; measured 2.8-3.6 KB
 
 
@@ -48,18 +63,27 @@ def file_index(path: Path) -> int:
     return int(Path(path).stem.split("_")[1])
 
 
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Stored bytes per token of a file (see the module docstring), without the file overhead."""
+def bytes_per_token(hidden_size: int, dtype: str, topk: int = 0) -> int:
+    """Stored bytes per token of a file (see the module docstring), without the file overhead;
+    `topk` is K of the fp8-topk layout (ignored by the others)."""
     if dtype == "bf16":
         return 8 * hidden_size + 16
     if dtype == "fp8":
         return 5 * hidden_size + 28
+    if dtype == "fp8-all":
+        return 4 * hidden_size + 32
+    if dtype == "fp8-topk":
+        if topk < 1:
+            raise ValueError("the fp8-topk layout needs topk >= 1 (--teacher-topk)")
+        return 3 * hidden_size + 4 * topk + 32
     raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
 
 
-def estimate_bytes(num_tokens: int, num_files: int, hidden_size: int, dtype: str) -> int:
+def estimate_bytes(num_tokens: int, num_files: int, hidden_size: int, dtype: str,
+                   topk: int = 0) -> int:
     """Upper estimate of the bytes `num_files` files holding `num_tokens` tokens take."""
-    return num_tokens * bytes_per_token(hidden_size, dtype) + num_files * FILE_OVERHEAD_BYTES
+    return (num_tokens * bytes_per_token(hidden_size, dtype, topk)
+            + num_files * FILE_OVERHEAD_BYTES)
 
 
 def quantize_fp8(x_TH: torch.Tensor, block_rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,43 +115,77 @@ def _owned_bf16(x_TH: torch.Tensor) -> torch.Tensor:
 
 
 def stored_value(x_TH: torch.Tensor, dtype: str) -> torch.Tensor:
-    """What an aux tensor `[T, H]` reads back as (float32) after storage in `dtype`."""
+    """What a tensor `[T, H]` reads back as (float32) after storage in `dtype` ("bf16" or "fp8")."""
     x = x_TH.to(torch.bfloat16)
-    if dtype == "fp8":
+    if dtype != "bf16":
         q, scale_T = quantize_fp8(x)
         return q.float() * scale_T[:, None]
     return x.float()
 
 
 def pack(input_ids, loss_mask, aux: list[torch.Tensor], final: torch.Tensor, meta: dict,
-         dtype: str = "bf16") -> dict:
-    """The dict stored in one file; `aux` are the three captures `[T, H]`, `final` `[T, H]`."""
+         dtype: str = "bf16", teacher=None) -> dict:
+    """The dict stored in one file; `aux` are the three captures `[T, H]`, `final` `[T, H]`.
+
+    `teacher` (fp8-topk only): an object with `topk(final_TH) -> dict` of `teacher_ids`,
+    `teacher_logprobs`, `target_top` and `meta() -> dict` (eagle3.extract.teacher.TeacherHead).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
-    hidden = [_owned_bf16(t) for t in aux] + [_owned_bf16(final)]
+    if (teacher is not None) != (dtype == "fp8-topk"):
+        raise ValueError(f"layout {dtype!r}: a teacher head is needed by fp8-topk and only by it")
+    final = _owned_bf16(final)
+    hidden = [_owned_bf16(t) for t in aux] + ([] if teacher is not None else [final])
     data = {
         "input_ids": torch.as_tensor(input_ids, dtype=torch.int64),
         "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64),
         "hidden_states": hidden,
         "meta": {**meta, "dtype": "bf16" if dtype == "bf16" else "fp8_e4m3"},
     }
-    if dtype == "fp8":
+    if dtype in ("fp8-all", "fp8-topk"):
+        data["meta"]["layout"] = dtype
+    if dtype != "bf16":
         scales = []
-        for i in range(len(aux)):  # from the bf16 value: the same bytes whatever the source
+        n_fp8 = 4 if dtype == "fp8-all" else 3
+        for i in range(n_fp8):  # from the bf16 value: the same bytes whatever the source
             hidden[i], s = quantize_fp8(hidden[i])
             scales.append(s)
-        data["hidden_states_scale"] = scales + [None]
+        data["hidden_states_scale"] = scales + [None] * (len(hidden) - n_fp8)
+    if teacher is not None:  # from the bf16 final state, as training from a bf16 file sees it
+        data.update(teacher.topk(final))
+        data["meta"].update(teacher.meta())
     return data
 
 
-def unpack(data: dict, dtype: torch.dtype = torch.bfloat16) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(aux list of 3 `[T, H]`, final `[T, H]`) in `dtype`, dequantizing fp8 tensors."""
+def layout_of(data: dict) -> str:
+    """The file's layout (one of DTYPES)."""
+    meta = data["meta"]
+    return meta.get("layout") or ("fp8" if meta.get("dtype") == "fp8_e4m3" else "bf16")
+
+
+def num_tokens(data: dict) -> int:
+    return int(data["input_ids"].shape[0])
+
+
+def unpack(data: dict, dtype: torch.dtype = torch.bfloat16
+           ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """(aux list of 3 `[T, H]`, final `[T, H]`) in `dtype`, dequantizing fp8 tensors; final is
+    None in an fp8-topk file (it stores the teacher instead: `unpack_teacher`)."""
     hidden = data["hidden_states"]
     scales = data.get("hidden_states_scale") or [None] * len(hidden)
     out = []
     for t, s in zip(hidden, scales):
         out.append((t.float() * s[:, None]).to(dtype) if s is not None else t.to(dtype))
-    return out[:3], out[3]
+    return out[:3], (out[3] if len(out) > 3 else None)
+
+
+def unpack_teacher(data: dict) -> dict | None:
+    """The stored teacher of an fp8-topk file: `ids` int64 `[T, K]` (draft ids), `logprobs`
+    float32 `[T, K]`, `target_top` int64 `[T]`; None for the other layouts."""
+    if "teacher_ids" not in data:
+        return None
+    return {"ids": data["teacher_ids"].long(), "logprobs": data["teacher_logprobs"].float(),
+            "target_top": data["target_top"].long()}
 
 
 def load(path: Path, mmap: bool = False) -> dict:
@@ -156,14 +214,17 @@ def remove_temp_files(root: Path) -> int:
 
 
 def validate(data: dict, expected_hidden: int, path: Path | str = "<memory>") -> None:
-    """Check shapes: 4 tensors `[T, H]`, T == len(input_ids) == len(loss_mask), H as expected."""
+    """Check shapes: 4 tensors `[T, H]` (3 and a `[T, K]` teacher for fp8-topk),
+    T == len(input_ids) == len(loss_mask), H as expected."""
     T = data["input_ids"].shape[0]
     if data["loss_mask"].shape[0] != T:
         raise HiddenStateError(f"{path}: loss_mask has {data['loss_mask'].shape[0]} rows, T={T}")
-    hidden = data["hidden_states"]
-    if len(hidden) != 4:
-        raise HiddenStateError(f"{path}: {len(hidden)} hidden-state tensors, expected 4 "
-                               "(three aux captures, then the final state)")
+    hidden, layout = data["hidden_states"], layout_of(data)
+    want = 3 if layout == "fp8-topk" else 4
+    if len(hidden) != want:
+        raise HiddenStateError(f"{path}: {len(hidden)} hidden-state tensors, expected {want} "
+                               f"for layout {layout} (three aux captures"
+                               f"{', then the final state' if want == 4 else ''})")
     for i, t in enumerate(hidden):
         if tuple(t.shape) != (T, expected_hidden):
             raise HiddenStateError(
@@ -171,6 +232,14 @@ def validate(data: dict, expected_hidden: int, path: Path | str = "<memory>") ->
                 f"({T}, {expected_hidden}) — a width of 3x hidden means aux states were stored "
                 "concatenated, a different width means another target's states"
             )
+    if layout == "fp8-topk":
+        K = data["meta"].get("topk")
+        for key, shape in (("teacher_ids", (T, K)), ("teacher_logprobs", (T, K)),
+                           ("target_top", (T,))):
+            if key not in data or tuple(data[key].shape) != shape:
+                got = tuple(data[key].shape) if key in data else "missing"
+                raise HiddenStateError(f"{path}: {key} is {got}, expected {shape} "
+                                       f"(fp8-topk layout, meta.topk = {K})")
 
 
 @torch.no_grad()

@@ -15,6 +15,9 @@ this client:
    A wrong width or layer list is a wrong server or target and stops the run at once;
 4. splits the aux states into the three `[T, H]` captures, writes `data_<idx>.pt` (same bytes
    as the `hf` backend would write from the same states) and deletes the dump file.
+   The dump always holds the bf16 final state; the compact layouts are made here: fp8-all
+   quantizes it, fp8-topk replaces it by the teacher the client computes with the target's
+   lm_head (`--teacher-device`: a GPU beside the server at Kimi size, eagle3/extract/teacher.py).
 
 Requests run concurrently (enough in flight to fill the server's prefill batches) on an event
 loop; loading, converting and saving run in a few threads. The first record goes alone, as a
@@ -101,14 +104,15 @@ class Expected:
 
 async def extract_sglang(opts: SglangOptions, expected: Expected, dtype: str,
                          writers: dict[str, SplitWriter], verify_n: int = 0,
-                         verify: Callable | None = None) -> tuple[dict, dict]:
+                         verify: Callable | None = None, teacher=None) -> tuple[dict, dict]:
     """Every split through the dump server; returns (outputs per split, manifest extras).
 
     `verify(writer, idxs)`, when given, checks the first `verify_n` records of the first split
-    before the others are sent.
+    before the others are sent. `teacher`: the TeacherHead of `--dtype fp8-topk` (the client
+    turns each dump's final state into the stored teacher; eagle3/extract/teacher.py).
     """
     outputs, extra = {}, {}
-    async with SglangExtractor(opts, expected, dtype) as client:
+    async with SglangExtractor(opts, expected, dtype, teacher) as client:
         info = await client.preflight(list(writers.values()))
         for k, (split, writer) in enumerate(writers.items()):
             prog = ExtractProgress(writer, f"02b {split}")
@@ -175,7 +179,7 @@ def check_dump(dump: dict, rid: str, num_tokens: int, expected: Expected, path: 
 
 
 def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str,
-                 out: Path) -> int:
+                 out: Path, teacher=None) -> int:
     """Load and check a dump, write the record's file, delete the dump; returns bytes written."""
     try:
         dump = sglang_dump.load_dump(path)
@@ -185,7 +189,7 @@ def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str
     H = expected.hidden_size
     aux = list(dump["aux_hidden_states"].split(H, dim=-1))
     data = hs.pack(rec["input_ids"], rec["loss_mask"], aux, dump["final_hidden_states"],
-                   record_meta(rec, list(expected.capture_layers)), dtype)
+                   record_meta(rec, list(expected.capture_layers)), dtype, teacher)
     nbytes = hs.save(data, out)
     path.unlink(missing_ok=True)
     return nbytes
@@ -219,8 +223,8 @@ def check_dump_dir(dump_dir: Path, pending_lengths: list[int], hidden_size: int,
 class SglangExtractor:
     """One client session: preflight, then `run_split` for each split."""
 
-    def __init__(self, opts: SglangOptions, expected: Expected, dtype: str):
-        self.opts, self.expected, self.dtype = opts, expected, dtype
+    def __init__(self, opts: SglangOptions, expected: Expected, dtype: str, teacher=None):
+        self.opts, self.expected, self.dtype, self.teacher = opts, expected, dtype, teacher
         self.url = opts.server_url.rstrip("/")
         self.concurrency = opts.concurrency
         self.restarts = 0
@@ -339,7 +343,7 @@ class SglangExtractor:
             delay = min(delay * 2, 0.5)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, convert_dump, dump, rid, rec,
-                                          self.expected, self.dtype, out)
+                                          self.expected, self.dtype, out, self.teacher)
 
     async def _send(self, rid: str, ids: list[int]) -> dict:
         """/generate, riding out server restarts (which do not count against the record)."""

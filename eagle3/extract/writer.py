@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.jsonl"
 FAILURES_FILE = "failures.jsonl"
+SUGGESTED_TOPK = 64  # K named in the disk preflight's advice
 
 
 class ExtractError(RuntimeError):
@@ -200,17 +201,20 @@ def check_disk(path: Path, need_bytes: int, margin: float, detail: str, fix: str
 
 
 def check_output_disk(stage_dir: Path, writers: list[SplitWriter], hidden_size: int,
-                      dtype: str, margin: float) -> int:
+                      dtype: str, margin: float, topk: int = 0) -> int:
     """Preflight of the files still to write; returns the estimated bytes."""
     tokens = sum(len(w.records[i]["input_ids"]) for w in writers for i in w.pending())
     files = sum(len(w.pending()) for w in writers)
-    need = hs.estimate_bytes(tokens, files, hidden_size, dtype)
-    detail = (f"{tokens:,} tokens x {hs.bytes_per_token(hidden_size, dtype):,} bytes/token "
-              f"({dtype}) + {files:,} files x {hs.FILE_OVERHEAD_BYTES:,} B")
+    need = hs.estimate_bytes(tokens, files, hidden_size, dtype, topk)
+    detail = (f"{tokens:,} tokens x {hs.bytes_per_token(hidden_size, dtype, topk):,} "
+              f"bytes/token ({dtype}) + {files:,} files x {hs.FILE_OVERHEAD_BYTES:,} B")
     fix = "Free space or point --workdir at a larger disk"
-    if dtype == "bf16":
-        fp8 = hs.estimate_bytes(tokens, files, hidden_size, "fp8")
-        fix += f", or store fp8 (--dtype fp8: {human_bytes(fp8)})"
+    options = {d: hs.estimate_bytes(tokens, files, hidden_size, d, SUGGESTED_TOPK)
+               for d in hs.DTYPES}
+    smaller = [f"--dtype {d}{' --teacher-topk 64' if d == 'fp8-topk' else ''}: {human_bytes(b)}"
+               for d, b in options.items() if b < need]
+    if smaller:
+        fix += ", or store less (" + "; ".join(smaller) + ")"
     check_disk(stage_dir, need, margin, detail, fix)
     return need
 
@@ -287,19 +291,22 @@ def fixed_batches(lengths: list[int], max_tokens: int, max_batch: int) -> list[l
 
 
 def extract_hf(model, writers: dict[str, SplitWriter], capture_layers: list[int], dtype: str,
-               max_tokens: int, max_batch: int) -> dict[str, dict]:
-    """Every split with the hf backend; returns the manifest outputs per split."""
+               max_tokens: int, max_batch: int, teacher=None) -> dict[str, dict]:
+    """Every split with the hf backend; returns the manifest outputs per split. `teacher`: the
+    TeacherHead of the fp8-topk layout (eagle3/extract/teacher.py), None for the others."""
     outputs = {}
     for split, writer in writers.items():
         prog = ExtractProgress(writer, f"02b {split}")
-        counts = extract_split(model, writer, capture_layers, dtype, max_tokens, max_batch, prog)
+        counts = extract_split(model, writer, capture_layers, dtype, max_tokens, max_batch, prog,
+                               teacher)
         prog.close()
         outputs[split] = {"samples": len(writer.records), **asdict(counts)}
     return outputs
 
 
 def extract_split(model, writer: SplitWriter, capture_layers: list[int], dtype: str,
-                  max_tokens: int, max_batch: int, prog: ExtractProgress) -> ExtractCounts:
+                  max_tokens: int, max_batch: int, prog: ExtractProgress,
+                  teacher=None) -> ExtractCounts:
     """Write a file for every record of the split still without one; returns the counts."""
     records, device = writer.records, model.device
     for batch in fixed_batches([len(r["input_ids"]) for r in records], max_tokens, max_batch):
@@ -320,7 +327,7 @@ def extract_split(model, writer: SplitWriter, capture_layers: list[int], dtype: 
                 continue
             rec, n = records[i], len(records[i]["input_ids"])
             data = hs.pack(rec["input_ids"], rec["loss_mask"], [a[b, :n].cpu() for a in aux],
-                           final[b, :n].cpu(), record_meta(rec, capture_layers), dtype)
+                           final[b, :n].cpu(), record_meta(rec, capture_layers), dtype, teacher)
             writer.mark_written(i, n, hs.save(data, writer.path(i)))
             prog.advance(n, writer.done[i]["bytes"])
     return writer.close()
@@ -333,27 +340,44 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12))
 
 
+def _final_rel_err(data: dict, got_final: torch.Tensor | None, ref_final_TH: torch.Tensor,
+                   teacher) -> float:
+    """The stored final state against the reference's (through the same storage); for an
+    fp8-topk file, the stored top-k log-probs against the reference's at the same draft ids."""
+    if got_final is not None:
+        storage = "fp8" if hs.layout_of(data) == "fp8-all" else "bf16"
+        return _rel_err(got_final, hs.stored_value(ref_final_TH, storage))
+    if teacher is None:
+        raise ExtractError("an fp8-topk file can only be verified with its teacher head")
+    got = hs.unpack_teacher(data)
+    ref_TV = torch.log_softmax(hs.stored_value(ref_final_TH, "bf16").to(teacher.device)
+                               @ teacher.hot_VdH.T, dim=-1).cpu()
+    return _rel_err(got["logprobs"], ref_TV.gather(-1, got["ids"]))
+
+
 @torch.no_grad()
 def verify_against_hf(model, writer: SplitWriter, idxs: list[int], capture_layers: list[int],
-                      tolerance: float) -> list[dict]:
+                      tolerance: float, teacher=None) -> list[dict]:
     """Compare stored files with the record's own transformers forward; returns one row each.
 
     The reference goes through the same storage (bf16 or fp8) as the file, so what remains is
     the server's numerical noise. Each aux tensor must lie closest to its own capture index
     among the neighbouring ones (a one-layer shift is caught however alike layers are) and
-    within `tolerance` relative L2 error; the final state within `tolerance` too.
+    within `tolerance` relative L2 error; the final state (or an fp8-topk file's teacher
+    log-probs, with `teacher` its TeacherHead) within `tolerance` too.
     """
     rows, bad = [], []
     for idx in idxs:
         rec, data = writer.records[idx], hs.load(writer.path(idx))
-        dtype = "fp8" if data["meta"]["dtype"] == "fp8_e4m3" else "bf16"
+        layout = hs.layout_of(data)
+        dtype = "bf16" if layout == "bf16" else "fp8"
         out = model(input_ids=torch.tensor([rec["input_ids"]], device=model.device),
                     output_hidden_states=True, use_cache=False).hidden_states
         layer_inputs = [o[0].cpu() for o in out[:-1]]  # out[-1] is the post-norm final state
         got_aux, got_final = hs.unpack(data, torch.float32)
         row = {"idx": idx, "id": rec["id"], "aux_rel_err": [], "nearest_layer": [],
-               "final_rel_err": round(_rel_err(got_final, hs.stored_value(out[-1][0].cpu(),
-                                                                          "bf16")), 6)}
+               "final_rel_err": round(_final_rel_err(data, got_final, out[-1][0].cpu(), teacher),
+                                      6)}
         for k, layer in enumerate(capture_layers):
             errs = {c: _rel_err(got_aux[k], hs.stored_value(layer_inputs[c], dtype))
                     for c in (layer - 1, layer, layer + 1) if 0 <= c < len(layer_inputs)}
@@ -375,6 +399,7 @@ def verify_against_hf(model, writer: SplitWriter, idxs: list[int], capture_layer
     return rows
 
 
-def make_verifier(model, capture_layers: list[int], tolerance: float
+def make_verifier(model, capture_layers: list[int], tolerance: float, teacher=None
                   ) -> Callable[[SplitWriter, list[int]], list[dict]]:
-    return lambda writer, idxs: verify_against_hf(model, writer, idxs, capture_layers, tolerance)
+    return lambda writer, idxs: verify_against_hf(model, writer, idxs, capture_layers, tolerance,
+                                                  teacher)

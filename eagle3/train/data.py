@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -42,23 +43,52 @@ def list_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: int(p.stem.split("_")[1]))
 
 
-def sample_lengths(files: list[Path], cache: Path | None = None, bar=None) -> list[int]:
-    """Token count of each file (memory-mapped: only the header pages are read), cached."""
+@dataclass
+class FileIndex:
+    """Per file of a split: token count, and K of its stored teacher (0: the file stores the
+    final state) with the draft vocabulary it was made with (fp8-topk files only)."""
+
+    lengths: list[int]
+    topk: list[int]
+    vocab_sha256: list[str | None]
+
+
+def index_files(files: list[Path], cache: Path | None = None, bar=None) -> FileIndex:
+    """Token count and layout of each file (memory-mapped: only the header pages are read),
+    cached in `cache` (recounted when the file list changed)."""
     names = [f"{p.parent.name}/{p.name}" for p in files]
     if cache is not None and Path(cache).exists():
         saved = json.loads(Path(cache).read_text())
-        if saved.get("files") == names:
-            return saved["lengths"]
-    lengths = []
+        if saved.get("files") == names and "topk" in saved:
+            return FileIndex(saved["lengths"], saved["topk"], saved["vocab_sha256"])
+    index = FileIndex([], [], [])
     for p in files:
-        lengths.append(int(torch.load(p, mmap=True, weights_only=True)["input_ids"].shape[0]))
+        data = torch.load(p, mmap=True, weights_only=True)
+        index.lengths.append(hs.num_tokens(data))
+        index.topk.append(int(data["meta"].get("topk", 0)))
+        index.vocab_sha256.append(data["meta"].get("vocab_sha256"))
         if bar is not None:
             bar.update(1)
     if cache is not None:
         from eagle3.core.stage import atomic_write_json
 
-        atomic_write_json(cache, {"files": names, "lengths": lengths})
-    return lengths
+        atomic_write_json(cache, {"files": names, "lengths": index.lengths, "topk": index.topk,
+                                  "vocab_sha256": index.vocab_sha256})
+    return index
+
+
+def sample_lengths(files: list[Path], cache: Path | None = None, bar=None) -> list[int]:
+    """Token count of each file (see index_files)."""
+    return index_files(files, cache, bar).lengths
+
+
+def check_teacher_vocab(files: list[Path], index: FileIndex, vocab_sha256: str) -> None:
+    """Refuse fp8-topk files whose stored teacher ids belong to another draft vocabulary."""
+    for path, sha in zip(files, index.vocab_sha256):
+        if sha is not None and sha != vocab_sha256:
+            raise DataError(f"{path}: its top-k teacher was stored with another draft "
+                            "vocabulary than 03_vocab/vocab_mapping.safetensors (re-run 02b "
+                            "--dtype fp8-topk after 03, or restore the mapping it was made with)")
 
 
 def row_width(max_seq_len: int, pack_tokens: int, longest: int) -> int:
@@ -151,9 +181,17 @@ def build_plan(lengths: list[int], width: int, max_seq_len: int, seed: int, epoc
     return plan
 
 
-def collate_packed(samples: list[dict], width: int, max_seq_len: int) -> dict:
-    """One packed row `[1, width]` (aux `[1, width, 3Ht]`, final `[1, width, Ht]`, bf16)."""
-    Ht = samples[0]["hidden_states"][3].shape[-1]
+def collate_packed(samples: list[dict], width: int, max_seq_len: int, topk: int = 0) -> dict:
+    """One packed row `[1, width]` (aux `[1, width, 3Ht]`, final `[1, width, Ht]`, bf16).
+
+    Files of every layout mix in a row. `topk` is the largest K of the run's fp8-topk files
+    (0: none); when set, the row also has `teacher_ids` `[1, width, topk]` (int64 draft ids),
+    `teacher_logprobs` (float32, -inf past a file's own K and where the file stores the final
+    state), `has_final` (bool: the position's teacher comes from `final`) and `target_top`
+    (the target's full-vocabulary argmax, -1 where the file does not store it). The final
+    state of an fp8-topk position is zero.
+    """
+    Ht = samples[0]["hidden_states"][0].shape[-1]
     shared = torch.utils.data.get_worker_info() is not None  # fill shared memory directly
 
     def buf(*shape, dtype=torch.bfloat16, fill=0):
@@ -165,6 +203,11 @@ def collate_packed(samples: list[dict], width: int, max_seq_len: int) -> dict:
            "doc_ids": buf(1, width, dtype=torch.int32, fill=-1),
            "positions": buf(1, width, dtype=torch.long),
            "aux": buf(1, width, 3 * Ht), "final": buf(1, width, Ht)}
+    if topk:
+        out.update(teacher_ids=buf(1, width, topk, dtype=torch.long),
+                   teacher_logprobs=buf(1, width, topk, dtype=torch.float32, fill=-math.inf),
+                   has_final=buf(1, width, dtype=torch.bool, fill=False),
+                   target_top=buf(1, width, dtype=torch.long, fill=-1))
     row = 0
     for j, data in enumerate(samples):
         aux, final = hs.unpack(data, torch.bfloat16)
@@ -176,7 +219,9 @@ def collate_packed(samples: list[dict], width: int, max_seq_len: int) -> dict:
         out["positions"][0, sl] = torch.arange(n)
         for i, a in enumerate(aux):
             out["aux"][0, sl, i * Ht:(i + 1) * Ht] = a[:n]
-        out["final"][0, sl] = final[:n]
+        if final is not None:
+            out["final"][0, sl] = final[:n]
+        _fill_teacher(out, data, sl, n, topk)
         row += n
     if row > width:
         raise DataError(f"{row} tokens packed into a row of {width}")
@@ -184,11 +229,31 @@ def collate_packed(samples: list[dict], width: int, max_seq_len: int) -> dict:
     return out
 
 
-class PackedRows(torch.utils.data.Dataset):
-    """Item i = the collated row `rows[i]` (loaded by DataLoader workers ahead of use)."""
+def _fill_teacher(out: dict, data: dict, sl: slice, n: int, topk: int) -> None:
+    """The teacher part of one sample's positions in a packed row (see collate_packed)."""
+    teacher = hs.unpack_teacher(data)
+    if teacher is None:
+        if topk:
+            out["has_final"][0, sl] = True
+        return
+    k = teacher["ids"].shape[1]
+    if k > topk:
+        raise DataError(f"record {data['meta'].get('id')!r} stores a top-{k} teacher, but the "
+                        f"run was indexed for top-{topk} at most (delete 04_train/lengths_*.json "
+                        "and re-run)")
+    out["teacher_ids"][0, sl, :k] = teacher["ids"][:n]
+    out["teacher_logprobs"][0, sl, :k] = teacher["logprobs"][:n]
+    out["target_top"][0, sl] = teacher["target_top"][:n]
 
-    def __init__(self, files: list[Path], rows: list[list[int]], width: int, max_seq_len: int):
+
+class PackedRows(torch.utils.data.Dataset):
+    """Item i = the collated row `rows[i]` (loaded by DataLoader workers ahead of use); `topk`:
+    the largest K of the run's fp8-topk files (0 = none, see collate_packed)."""
+
+    def __init__(self, files: list[Path], rows: list[list[int]], width: int, max_seq_len: int,
+                 topk: int = 0):
         self.files, self.rows, self.width, self.max_seq_len = files, rows, width, max_seq_len
+        self.topk = topk
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -197,10 +262,10 @@ class PackedRows(torch.utils.data.Dataset):
         samples = []
         for j in self.rows[i]:
             data = hs.load(self.files[j])
-            if data["input_ids"].shape[0] != data["hidden_states"][3].shape[0]:
+            if any(t.shape[0] != data["input_ids"].shape[0] for t in data["hidden_states"]):
                 raise DataError(f"{self.files[j]}: input_ids and hidden_states lengths differ")
             samples.append(data)
-        return collate_packed(samples, self.width, self.max_seq_len)
+        return collate_packed(samples, self.width, self.max_seq_len, self.topk)
 
 
 def make_loader(dataset, num_workers: int, pin_memory: bool, prefetch: int = 4):

@@ -32,6 +32,7 @@ from eagle3.train.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan
 from eagle3.train.distributed import DistInfo
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.train.log import MetricsLog, metrics_line
+from eagle3.train.teacher import TOPK_MODES
 from eagle3.train.ttt import TTTModel, num_stats, stats_dict
 
 __all__ = ["TrainConfig", "lr_at", "train", "build_draft", "build_draft_config", "list_files"]
@@ -75,6 +76,9 @@ class TrainConfig(UpstreamStageFlags):
     tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
     sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
                                            "capture layers whose first index is not 2)")
+    topk_teacher: str = arg("renorm", "files storing a top-k teacher (02b --dtype fp8-topk): "
+                                      "renorm = top-k renormalised to 1; tail = the rest of "
+                                      "the mass as one bucket", choices=list(TOPK_MODES))
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
@@ -172,6 +176,13 @@ def _batch_args(batch: dict) -> tuple:
             batch["aux"], batch["final"])
 
 
+def _topk_arg(batch: dict) -> dict | None:
+    """The stored top-k teacher of a batch (runs with fp8-topk files), else None."""
+    if "teacher_ids" not in batch:
+        return None
+    return {k: batch[k] for k in ("teacher_ids", "teacher_logprobs", "has_final")}
+
+
 def _guard_nonfinite(optimizer, grad_norm, step: int, flag: torch.Tensor) -> None:
     """Keep a non-finite update from being applied: fused AdamW skips it on the device (no sync)
     and `flag` records the first such step; other optimizers check at once."""
@@ -195,19 +206,20 @@ def _raise_if_nonfinite(flag: torch.Tensor) -> None:
 
 @torch.no_grad()
 def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainConfig,
-             rt: Runtime, width: int) -> dict:
+             rt: Runtime, width: int, topk: int = 0) -> dict:
     """Mean per-step loss and accuracy and simulated acceptance over the eval split."""
     n = min(len(files), cfg.max_eval_samples)
     rows = pack_epoch(lengths[:n], width, cfg.max_seq_len, cfg.seed, 0, shuffle=False)
     mine = rows[rt.dist.rank::rt.dist.world]
-    loader = make_loader(PackedRows(files, mine, width, cfg.max_seq_len),
+    loader = make_loader(PackedRows(files, mine, width, cfg.max_seq_len, topk),
                          min(cfg.num_workers, len(mine)), rt.device.type == "cuda")
     stats = torch.zeros(num_stats(cfg.ttt_steps), device=rt.device)
     model.eval()
     for batch in loader:
         batch = {k: v.to(rt.device) for k, v in batch.items()}
         with rt.autocast():
-            _, s = model(*_batch_args(batch), masks=model.build_masks(batch["doc_ids"]))
+            _, s = model(*_batch_args(batch), masks=model.build_masks(batch["doc_ids"]),
+                         topk=_topk_arg(batch))
         stats += s
     model.train()
     m = stats_dict(distributed.all_reduce_sum(stats), cfg.ttt_steps)
@@ -226,6 +238,7 @@ class TrainData:
     train_lengths: list[int]
     eval_files: list[Path]
     eval_lengths: list[int]
+    teacher_topk: int = 0  # the largest K of the files' stored top-k teachers (0: none)
 
 
 class Window:
@@ -285,7 +298,8 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     num_steps = plan.num_steps
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, int(0.03 * num_steps))
     model = TTTModel(draft, embed_VH, teacher_VdH, cfg.ttt_steps, cfg.step_weight, rt.attention,
-                     torch.bfloat16 if rt.bf16 else torch.float32).to(rt.device)
+                     torch.bfloat16 if rt.bf16 else torch.float32,
+                     cfg.topk_teacher).to(rt.device)
     optimizer = build_optimizer(draft, cfg, rt.device)
     state, window_saved = _maybe_resume(cfg, out_dir, draft, optimizer, plan)
     ddp = distributed.wrap(model, rt.dist, rt.device)
@@ -293,7 +307,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     metrics = MetricsLog(out_dir, rt.dist.is_main, state.step, cfg.tensorboard)
     rows = [r for s in range(state.step, num_steps) for r in plan.rows_for(s, rt.dist.rank)]
     feed = DevicePrefetcher(make_loader(PackedRows(data.train_files, rows, width,
-                                                   cfg.max_seq_len),
+                                                   cfg.max_seq_len, data.teacher_topk),
                                         cfg.num_workers, rt.device.type == "cuda"), rt.device)
     window = Window(cfg.ttt_steps, rt.device, window_saved)
     ema = torch.tensor(state.ema_loss, device=rt.device)
@@ -352,7 +366,7 @@ def _micro_steps(run: TrainRun, window: Window) -> torch.Tensor:
         no_sync = rt.dist.enabled and micro_step < cfg.grad_accum - 1  # all-reduce once
         with ddp.no_sync() if no_sync else contextlib.nullcontext():
             with rt.autocast():
-                loss, stats = forward(*_batch_args(batch), masks=masks)
+                loss, stats = forward(*_batch_args(batch), masks=masks, topk=_topk_arg(batch))
             (loss / cfg.grad_accum).backward()  # each backward adds to .grad: a mean
         feed.prefetch()  # the next row's host->device copy overlaps this step's kernels
         step_loss += loss.detach() / cfg.grad_accum
@@ -397,7 +411,8 @@ def _run_eval(run: TrainRun, step: int) -> dict:
     data = run.data
     if not data.eval_files:
         return {}
-    result = evaluate(run.model, data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width)
+    result = evaluate(run.model, data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width,
+                      data.teacher_topk)
     log.info("eval step %d | loss %s | acc %s | sim-accept %.2f", step,
              [round(x, 3) for x in result["eval_loss"]],
              [round(a, 3) for a in result["eval_acc"]], result["eval_sim_accept"])

@@ -4,8 +4,8 @@ A packed batch row holds several sequences back to back (`doc_ids`: sequence ind
 for padding; `positions`: position inside the sequence). At anchor t, step k (k = 0..K-1) the
 draft reads token t+1+k and, as hidden, fc(aux_t) for k = 0 or its own step k-1 output; its
 prediction is compared (soft cross-entropy) with the target's distribution at position t+1+k,
-`softmax(lm_head_hot @ final_{t+1+k})` over the draft vocabulary. The stored final state is
-post-norm: no second norm here. The term's weight is `loss_mask[t+1+k]` — the mask moves with
+`softmax(lm_head_hot @ final_{t+1+k})` over the draft vocabulary (or the stored top-k of it:
+eagle3/train/teacher.py). The stored final state is post-norm: no second norm here. The term's weight is `loss_mask[t+1+k]` — the mask moves with
 the targets, so the last prompt position (the first the draft serves) is trained — and 0 when
 t+1+k lies outside t's sequence. Step k's mean loss is scaled by `step_weight ** k`.
 
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.draft.model import Eagle3Draft, StepCache, TTTMasks
+from eagle3.train.teacher import TailBucketCE, teacher_targets
 
 ATTENTION = ("naive", "flex")
 
@@ -82,7 +83,7 @@ class TTTModel(nn.Module):
 
     def __init__(self, draft: Eagle3Draft, embed_VH: torch.Tensor, teacher_VdH: torch.Tensor,
                  steps: int, step_weight: float, attention: str = "naive",
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, topk_teacher: str = "renorm"):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"attention {attention!r}: expected one of {ATTENTION}")
@@ -91,6 +92,7 @@ class TTTModel(nn.Module):
         self.register_buffer("teacher", teacher_VdH.to(compute_dtype), persistent=False)
         self.steps, self.step_weight, self.attention = steps, step_weight, attention
         self.compute_dtype = compute_dtype
+        self.topk_teacher = topk_teacher  # how a stored top-k teacher's tail counts (teacher.py)
 
     def build_masks(self, doc_ids_BT: torch.Tensor, compile_mask: bool = False) -> list | None:
         """Flex block masks of every step (None for the naive attention); build outside
@@ -118,14 +120,16 @@ class TTTModel(nn.Module):
             out.append(logits)
         return out
 
-    def forward(self, input_ids, loss_mask, doc_ids, positions, aux, final, masks=None):
+    def forward(self, input_ids, loss_mask, doc_ids, positions, aux, final, masks=None,
+                topk=None):
         """(weighted loss, stats `[3K+2]`) of one packed batch; shapes `[B, T]`, aux
-        `[B, T, 3Ht]`, final `[B, T, Ht]`."""
+        `[B, T, 3Ht]`, final `[B, T, Ht]`; `topk`: the batch's stored top-k teacher (a dict,
+        see eagle3/train/teacher.py), None when no file of the run stores one."""
         B, T = input_ids.shape
-        with torch.no_grad():  # the target's distribution over the draft vocabulary
-            teacher_logits = final.to(self.compute_dtype) @ self.teacher.T
-            teacher_p = torch.softmax(teacher_logits.float(), dim=-1)  # [B, T, V]
-            teacher_top = teacher_p.argmax(-1)
+        # the target's distribution over the draft vocabulary
+        teacher = teacher_targets(final, self.teacher, self.compute_dtype, topk,
+                                  self.topk_teacher)
+        teacher_p, teacher_top = teacher.p_BTV, teacher.top_BT
         total = torch.zeros((), device=input_ids.device)
         ce_sums, hit_sums, weight_sums = [], [], []
         chain = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
@@ -139,6 +143,10 @@ class TTTModel(nn.Module):
             w = weight.reshape(-1).float()
             ce_sum = SoftCrossEntropy.apply(logits.reshape(-1, V), teacher_p[:, n:].reshape(-1, V),
                                             w)
+            if teacher.tail_p_BT is not None:  # a stored top-k teacher's tail as one bucket
+                ce_sum = ce_sum + TailBucketCE.apply(
+                    logits.reshape(-1, V), teacher.tail_BTV[:, n:].reshape(-1, V),
+                    teacher.tail_p_BT[:, n:].reshape(-1), w)
             w_sum = w.sum()
             total = total + (self.step_weight ** k) * ce_sum / w_sum.clamp(min=1.0)
             with torch.no_grad():

@@ -9,6 +9,7 @@ padded with the lowest unused ids when fewer are seen. Counting streams the merg
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,11 @@ def build_mapping(hot_ids: np.ndarray, target_vocab: int) -> dict[str, torch.Ten
 def hot_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
     """Target ids of the draft vocabulary: `arange + d2t` (what SGLang computes on load)."""
     return torch.arange(d2t.numel(), dtype=torch.int64) + d2t
+
+
+def vocab_sha256(d2t: torch.Tensor) -> str:
+    """Identity of a draft vocabulary, stored in files whose teacher ids are draft ids."""
+    return hashlib.sha256(d2t.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
 def coverage(counts: np.ndarray, sizes=COVERAGE_SIZES) -> dict[int, float]:
