@@ -63,3 +63,10 @@ def assert_same_outputs(workdir: Path, reference: Path) -> None:
 
 def main_02b():
     return importlib.import_module("02b_extract_hidden_states_sglang").main
+
+
+def build_vocab(workdir: Path, target: Path, draft_vocab: int = 64) -> None:
+    """Stage 03 in `workdir` (the draft vocabulary that `--dtype fp8-topk` needs)."""
+    main = importlib.import_module("03_build_vocab_mapping").main
+    assert main(["--workdir", str(workdir), "--target", str(target),
+                 "--draft-vocab", str(draft_vocab)]) == 0

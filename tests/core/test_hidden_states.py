@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3.core import hidden_states as hs
+from eagle3.extract.teacher import TeacherHead
 from eagle3.core.records import read_jsonl
 from eagle3.train.loop import list_files
 
@@ -80,17 +82,74 @@ def test_validate_names_the_file_when_aux_states_are_concatenated():
         raise AssertionError("validate accepted a 2-tensor file")
 
 
+def _head(H: int, k: int, draft_vocab: int = 100, target_vocab: int = 300):
+    g = torch.Generator().manual_seed(H)
+    d2t = torch.arange(draft_vocab) * 2 - torch.arange(draft_vocab)  # target id = 2 * draft id
+    return TeacherHead(torch.randn(target_vocab, H, generator=g), d2t, k)
+
+
 def test_estimate_bytes_bounds_real_file_sizes_when_saved(tmp_path):
     for dtype in hs.DTYPES:
         for T, H in ((1, 64), (57, 64), (300, 512)):
+            k = 64 if dtype == "fp8-topk" else 0
             aux = [torch.randn(T, H) for _ in range(3)]
             data = hs.pack(list(range(T)), [1] * T, aux, torch.randn(T, H),
                            {"id": "sharegpt/" + "x" * 40, "capture_layers": [2, 30, 58],
-                            "final": "post_norm", "source": "sharegpt"}, dtype)
+                            "final": "post_norm", "source": "sharegpt"}, dtype,
+                           _head(H, k) if k else None)
             size = hs.save(data, tmp_path / f"{dtype}_{T}_{H}.pt")
-            estimate = hs.estimate_bytes(T, 1, H, dtype)
+            estimate = hs.estimate_bytes(T, 1, H, dtype, k)
             assert estimate - hs.FILE_OVERHEAD_BYTES < size <= estimate, (dtype, T, H, size)
-    assert hs.bytes_per_token(7168, "bf16") == 57_360 and hs.bytes_per_token(7168, "fp8") == 35_868
+    kimi = {d: hs.bytes_per_token(7168, d, 64) for d in hs.DTYPES}
+    assert kimi == {"bf16": 57_360, "fp8": 35_868, "fp8-all": 28_704, "fp8-topk": 21_792}
+    assert kimi["fp8-topk"] <= 22_000  # the target
+
+
+def test_fp8_all_stores_the_final_state_in_e4m3_with_its_own_scale():
+    torch.manual_seed(0)
+    aux, final = [torch.randn(6, 32) for _ in range(3)], torch.randn(6, 32) * 20
+    data = hs.pack(list(range(6)), [1] * 6, aux, final, {"id": "x"}, "fp8-all")
+    assert [t.dtype for t in data["hidden_states"]] == [torch.float8_e4m3fn] * 4
+    assert hs.layout_of(data) == "fp8-all" and data["meta"]["dtype"] == "fp8_e4m3"
+    _, got_final = hs.unpack(data, torch.float32)
+    assert torch.equal(got_final, hs.stored_value(final, "fp8"))
+    hs.validate(data, 32)
+
+
+def test_topk_file_stores_the_largest_draft_logprobs_and_the_full_vocabulary_argmax():
+    torch.manual_seed(1)
+    T, H = 7, 16
+    head = _head(H, 5)
+    aux, final = [torch.randn(T, H) for _ in range(3)], torch.randn(T, H)
+    data = hs.pack(list(range(T)), [1] * T, aux, final, {"id": "x"}, "fp8-topk", head)
+    hs.validate(data, H)
+    assert len(data["hidden_states"]) == 3 and hs.unpack(data)[1] is None
+    assert data["teacher_ids"].dtype == torch.int16 and data["target_top"].dtype == torch.int32
+    assert data["meta"]["topk"] == 5 and data["meta"]["draft_vocab"] == 100
+    # an independent reference: the full logits of the bf16-rounded final state
+    x = final.to(torch.bfloat16).float()
+    full = x @ head.full_VH.T
+    lp = torch.log_softmax(full[:, ::2][:, :100], -1)  # target id 2d is draft id d
+    ref_v, ref_i = lp.topk(5, -1)
+    got = hs.unpack_teacher(data)
+    assert torch.equal(got["ids"], ref_i)
+    torch.testing.assert_close(got["logprobs"], ref_v, rtol=1e-3, atol=1e-3)  # float16
+    assert torch.equal(got["target_top"], full.argmax(-1))
+
+
+def test_validate_names_the_missing_teacher_when_a_topk_file_lacks_it():
+    data = hs.pack([1, 2], [0, 1], [torch.zeros(2, 16)] * 3, torch.zeros(2, 16), {},
+                   "fp8-topk", _head(16, 4))
+    del data["teacher_logprobs"]
+    with pytest.raises(hs.HiddenStateError, match="teacher_logprobs"):
+        hs.validate(data, 16, "data_3.pt")
+
+
+def test_pack_refuses_a_teacher_for_a_layout_that_stores_the_final_state():
+    with pytest.raises(ValueError, match="fp8-topk"):
+        hs.pack([1], [1], [torch.zeros(1, 16)] * 3, torch.zeros(1, 16), {}, "fp8", _head(16, 4))
+    with pytest.raises(ValueError, match="fp8-topk"):
+        hs.pack([1], [1], [torch.zeros(1, 16)] * 3, torch.zeros(1, 16), {}, "fp8-topk")
 
 
 def test_pack_writes_same_bytes_when_aux_is_a_strided_view_or_fp32(tmp_path):
@@ -100,8 +159,9 @@ def test_pack_writes_same_bytes_when_aux_is_a_strided_view_or_fp32(tmp_path):
     copies = [v.float().clone() for v in views]
     final = torch.randn(1, 16)
     for dtype in hs.DTYPES:
-        a = hs.save(hs.pack([7], [1], views, final, {}, dtype), tmp_path / "a.pt")
-        b = hs.save(hs.pack([7], [1], copies, final, {}, dtype), tmp_path / "b.pt")
+        head = _head(16, 4) if dtype == "fp8-topk" else None
+        a = hs.save(hs.pack([7], [1], views, final, {}, dtype, head), tmp_path / "a.pt")
+        b = hs.save(hs.pack([7], [1], copies, final, {}, dtype, head), tmp_path / "b.pt")
         assert a == b and (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
 
 

@@ -19,6 +19,7 @@ import pytest
 from extract_helpers import (
     STAGE,
     assert_same_outputs,
+    build_vocab,
     copy_merged,
     data_files,
     main_02b,
@@ -55,6 +56,8 @@ def layers(tiny_target_dir) -> list[int]:
 
 def _hf_run(merged, target, workdir, dtype) -> Path:
     copy_merged(merged, workdir)
+    if dtype == "fp8-topk":
+        build_vocab(workdir, target)
     # Each record alone: the forward pass a server computes per request (extract.py docstring).
     rc = main_02b()(["--workdir", str(workdir), "--target", str(target), "--backend", "hf",
                      "--max-batch-size", "1", "--dtype", dtype])
@@ -125,12 +128,18 @@ def test_extract_sglang_writes_the_hf_backend_files_when_server_batches_and_chun
     assert manifest["outputs"]["train"]["written"] == 20 and manifest["server"]["restarts"] == 0
 
 
-def test_extract_sglang_writes_the_hf_backend_files_when_dtype_is_fp8(
-        merged, tiny_target_dir, make_server, tmp_path):
-    reference = _hf_run(merged, tiny_target_dir, tmp_path / "hf", "fp8")
+@pytest.mark.parametrize("dtype", ["fp8", "fp8-all", "fp8-topk"])
+def test_extract_sglang_writes_the_hf_backend_files_when_dtype_is_compact(
+        merged, tiny_target_dir, make_server, tmp_path, dtype):
+    reference = _hf_run(merged, tiny_target_dir, tmp_path / "hf", dtype)
     workdir = copy_merged(merged, tmp_path / "w")
-    assert run_client(workdir, tiny_target_dir, make_server(), "--dtype", "fp8") == 0
+    if dtype == "fp8-topk":  # the client computes the teacher from each dump's final state
+        build_vocab(workdir, tiny_target_dir)
+    assert run_client(workdir, tiny_target_dir, make_server(), "--dtype", dtype,
+                      "--verify-against-hf", "2") == 0
     assert_same_outputs(workdir, reference)
+    manifest = json.loads((workdir / STAGE / "manifest.json").read_text())
+    assert all(row["final_rel_err"] < 1e-3 for row in manifest["verify_against_hf"])
 
 
 def test_extract_sglang_writes_identical_files_when_dumps_are_missing_truncated_or_short(
