@@ -1,10 +1,12 @@
 """Phase 3 of the reference benchmark: every draft of the run on the same held-out prompts.
 
-First, alone on the GPU, 02b of the fp8-state and data-size runs. Then the evaluations run as
+First, alone on the GPU, 02b of the fp8-state, compact-layout (fp8-all, fp8-topk) and
+data-size runs. Then the evaluations run as
 subprocesses side by side (reference/parallel.py: batch-1 decoding of this target leaves the GPU
 mostly idle), submitted in priority order: the final draft (bf16 states, chains of 3 and 7), the
 controls, 05 at temperature 1 and the per-epoch checkpoints. Meanwhile this process trains the
-fp8-state and data-size drafts (04) and submits each one's evaluation when it is trained. What no longer fits the time budget is not
+fp8-state, compact-layout (fp8-all, top-k renormalised, top-k with the tail bucket) and
+data-size drafts (04) and submits each one's evaluation when it is trained. What no longer fits the time budget is not
 started and is listed in the summary; running the phase again does it (finished work is kept).
 """
 
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 # of the correct draft's gain on the same prompts.
 COLLAPSE_SHARE = 0.25
 CONTROL_SPECS = ("control_reference", "control_final_state", "control_shifted_layers")
+COMPACT_LAYOUTS = ("fp8_all", "topk")  # work folders with their own 02b (steps.LAYOUT_RUNS)
 
 
 class Phase3:
@@ -138,6 +141,9 @@ def run_phase3(phases) -> None:
     # 02b first, before any evaluation process starts: its batched forward passes slowed from
     # 49K to 4.6K tok/s beside six of them on the H200, while 04 kept its speed.
     phases.task("extract fp8", phases.extract_fp8, phases.extract_estimate(phases.n_train()))
+    for name in COMPACT_LAYOUTS:  # topk_tail trains from topk's files: nothing to extract
+        phases.task(f"extract {name}", lambda n=name: phases.extract_layout(n),
+                    phases.extract_estimate(phases.n_train()))
     for n in phases.size_counts():
         phases.task(f"extract size {n}", lambda n=n: phases.extract_size(n),
                     phases.extract_estimate(n))
@@ -166,6 +172,12 @@ def run_phase3(phases) -> None:
         if fp8_draft.is_dir():
             ph.evaluate("eval fp8", EvalSpec("fp8", fp8_draft, [3, 7],
                                              **sweep))
+        for name in (*COMPACT_LAYOUTS, "topk_tail"):  # the storage layouts of issue 17
+            phases.task(f"train {name}", lambda n=name: phases.train_layout(n),
+                        phases.fp8_estimate())
+            draft = phases.root / name / STAGE_DIRS["04"] / "final"
+            if draft.is_dir():
+                ph.evaluate(f"eval {name}", EvalSpec(name, draft, [3, 7], **sweep))
         for n in phases.size_counts():
             phases.task(f"train size {n}", lambda n=n: phases.train_size(n),
                         phases.size_estimate(n))

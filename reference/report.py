@@ -232,8 +232,8 @@ def _parallel_md(state: dict) -> list[str]:
         return []
     walls = " + ".join(f"{r['wall_s']:.0f} s ({r['jobs']} processes, {r['eval_workers']} at a "
                        "time)" for r in runs)
-    return [f"Phase 3 ({len(runs)} run{'s' if len(runs) > 1 else ''}): {walls}, the fp8 and "
-            f"data-size drafts trained meanwhile; the {len(jobs)} evaluation processes' own wall "
+    return [f"Phase 3 ({len(runs)} run{'s' if len(runs) > 1 else ''}): {walls}, the fp8, "
+            f"compact-layout and data-size drafts trained meanwhile; the {len(jobs)} evaluation processes' own wall "
             f"times add up to {sum(jobs.values()):.0f} s.", ""]
 
 
@@ -251,6 +251,29 @@ def _sweep_md(s: dict, names: list[tuple[str, str]]) -> list[str]:
                          f"{(m.get('loop') or {}).get('share', 0):.3f} | "
                          f"{r['num_prompts']} x {r['max_new_tokens']} |")
     return lines + [""]
+
+
+# (label, sweep name, 02b stage label of its files) of the storage-layout comparison (issue 17)
+LAYOUT_SWEEPS = [("bf16 states", "main"), ("fp8 states", "fp8"),
+                 ("fp8-all states", "fp8_all"), ("fp8-topk, renormalised", "topk"),
+                 ("fp8-topk, tail bucket", "topk_tail")]
+LAYOUT_STAGES = {"main": "02b main (bf16)", "fp8": "02b fp8", "fp8_all": "02b fp8_all",
+                 "topk": "02b topk", "topk_tail": "02b topk"}
+
+
+def _layout_bytes_md(s: dict) -> list[str]:
+    """Measured bytes/token of each layout's files here, and the same layouts at Kimi size."""
+    from eagle3.core.hidden_states import bytes_per_token
+
+    parts = []
+    for label, key in LAYOUT_SWEEPS:
+        th = (s["stages"].get(LAYOUT_STAGES[key]) or {}).get("throughput") or {}
+        parts.append(f"{label} {_f(th.get('bytes_per_token'), '{:,.0f}')}")
+    kimi = {d: bytes_per_token(7168, d, 64) for d in ("bf16", "fp8", "fp8-all", "fp8-topk")}
+    return ["Bytes per token of the files (02b manifest disk bytes / tokens, file overhead "
+            "included): " + "; ".join(parts) + ". At Kimi-K2.5 size (H = 7168, K = 64; "
+            "eagle3/core/hidden_states.py): " + ", ".join(f"{d} {b:,}" for d, b in kimi.items())
+            + " bytes/token.", ""]
 
 
 def _controls_md(s: dict) -> list[str]:
@@ -291,8 +314,8 @@ def markdown(s: dict) -> str:
     out = ["### Reference target", "", *_target_md(s),
            "### Stages (time, throughput, disk, peak GPU memory)", "", *_stages_md(s),
            "### Acceptance on held-out prompts (05, offline hf evaluator)", "", *_bench_md(s),
-           "### bf16 vs fp8-stored hidden states (same run, same prompts)", "",
-           *_sweep_md(s, [("bf16 states", "main"), ("fp8 states", "fp8")]),
+           "### bf16 vs fp8 and compact storage layouts (same run, same prompts)", "",
+           *_sweep_md(s, LAYOUT_SWEEPS), *_layout_bytes_md(s),
            "### Acceptance vs training data size", "",
            *_sweep_md(s, [(k.replace("_", " ") + " samples", k) for k in sizes]
                       + [("all samples", "main")]),

@@ -84,6 +84,7 @@ class Profile:
     deadline_s: float  # per command: no optional work is started past it
     eval_workers: int  # phase 3: evaluations run side by side in this many subprocesses
     threads: int = 0  # torch CPU threads for the run (0 = torch's default)
+    teacher_topk: int = 64  # 02b --teacher-topk of the fp8-topk layout runs
 
 
 PROFILES = {
@@ -118,7 +119,7 @@ PROFILES = {
         epochs=2, train_max_seq_len=256, pack_tokens=256, eval_dtype="float32",
         bench_prompts=2, bench_max_new=16, bench_t1_prompts=2, sweep_prompts=2,
         sweep_max_new=16, control_prompts=2, control_max_new=8, size_fractions=(0.25, 0.5),
-        deadline_s=3600.0, eval_workers=2,
+        deadline_s=3600.0, eval_workers=2, teacher_topk=16,
         threads=1),  # toy matrices: one thread beats several fighting over a shared CPU
 }
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",

@@ -8,6 +8,8 @@ Work folder layout (`W` = --workdir):
     W/heldout/     01 of the held-out prompts (never generated from; 05's prompt set)
     W/bench_t0/    05 at temperature 0; W/bench_t1/ at temperature 1 (upstreams linked to main)
     W/fp8/         02b with fp8 storage + 04 (merged data and vocab linked to main)
+    W/fp8_all/, W/topk/, W/topk_tail/  the same for the compact layouts (LAYOUT_RUNS);
+                   topk_tail trains from topk's files with the tail-bucket loss
     W/size_<n>/    02b + 03 + 04 on the first n merged train samples
     W/epochs/      per-epoch checkpoints of main exported as draft folders
     W/results/     stages.json (every stage's record), evals/ (sweep results), controls.json,
@@ -31,6 +33,10 @@ from reference.stages import StageRunner, linked_workdir, subset_workdir
 
 log = logging.getLogger(__name__)
 BENCH_STEPS = (3, 7)  # chains 05 measures: SGLang's 3-1-4 setting (ceiling 4) and 7 (ceiling 8)
+# Storage layouts trained beside main's bf16 (issue 17): work folder -> (02b --dtype,
+# 04 --topk-teacher, the folder whose 02b files it trains from instead of extracting its own).
+LAYOUT_RUNS = {"fp8": ("fp8", None, None), "fp8_all": ("fp8-all", None, None),
+               "topk": ("fp8-topk", "renorm", None), "topk_tail": ("fp8-topk", "tail", "topk")}
 
 
 class PhaseMissing(RuntimeError):
@@ -200,9 +206,10 @@ class PhaseSteps:
                 "--keep-latest", profile.epochs + 2, *profile.train]
 
     def extract_args(self, dtype: str) -> list:
-        """02b flags: the in-process transformers target, aux states stored as `dtype`."""
+        """02b flags: the in-process transformers target, files stored in layout `dtype`."""
+        topk = ["--teacher-topk", self.profile.teacher_topk] if dtype == "fp8-topk" else []
         return ["--target", self.target, "--backend", "hf", "--device", self.profile.device,
-                "--dtype", dtype, *self.profile.extract]
+                "--dtype", dtype, *topk, *self.profile.extract]
 
     def phase2(self) -> None:
         self._require(self.main / STAGE_DIRS["merge"], 1)
@@ -231,14 +238,34 @@ class PhaseSteps:
         return sorted({max(4, int(f * self.n_train())) for f in self.profile.size_fractions})
 
     def fp8_workdir(self) -> Path:
-        return linked_workdir(self.root / "fp8", {"01c_merged": self.main / STAGE_DIRS["merge"],
-                                               STAGE_DIRS["03"]: self.main / STAGE_DIRS["03"]})
+        return self.layout_workdir("fp8")
+
+    def layout_workdir(self, name: str) -> Path:
+        """W/<name>: main's merged data and vocab (and the shared run's 02b files) linked."""
+        links = {STAGE_DIRS["merge"]: self.main / STAGE_DIRS["merge"],
+                 STAGE_DIRS["03"]: self.main / STAGE_DIRS["03"]}
+        shared = LAYOUT_RUNS[name][2]
+        if shared:
+            links[STAGE_DIRS["02b"]] = self.layout_workdir(shared) / STAGE_DIRS["02b"]
+        return linked_workdir(self.root / name, links)
+
+    def extract_layout(self, name: str) -> None:
+        dtype, _, shared = LAYOUT_RUNS[name]
+        if shared:
+            return self.extract_layout(shared)
+        self.runner.run(f"02b {name}", "02b", self.layout_workdir(name), self.extract_args(dtype))
+
+    def train_layout(self, name: str) -> None:
+        self.extract_layout(name)  # a no-op when phase 3 extracted it first
+        w, mode = self.layout_workdir(name), LAYOUT_RUNS[name][1]
+        extra = ["--topk-teacher", mode] if mode else []
+        self.runner.run(f"04 {name}", "04", w, [*self.train_args(w), *extra])
 
     def size_workdir(self, n: int) -> Path:
         return subset_workdir(self.main, self.root / f"size_{n}", n)
 
     def extract_fp8(self) -> None:
-        self.runner.run("02b fp8", "02b", self.fp8_workdir(), self.extract_args("fp8"))
+        self.extract_layout("fp8")
 
     def extract_size(self, n: int) -> None:
         self.runner.run(f"02b size {n}", "02b", self.size_workdir(n), self.extract_args("bf16"))
@@ -248,9 +275,7 @@ class PhaseSteps:
         return 1.2 * self._wall("02b main (bf16)") * samples / max(1, self.n_train()) + 10
 
     def train_fp8(self) -> None:
-        self.extract_fp8()  # a no-op when phase 3 extracted it first
-        fp8 = self.fp8_workdir()
-        self.runner.run("04 fp8", "04", fp8, self.train_args(fp8))
+        self.train_layout("fp8")
 
     def train_size(self, n: int) -> None:
         self.extract_size(n)

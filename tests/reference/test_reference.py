@@ -358,7 +358,7 @@ def test_smoke_run_completes_every_stage_and_copies_the_summary(smoke_run):
     stages = json.loads((workdir / "results" / "stages.json").read_text())
     for label in ("corpus", "target", "01 main", "01b main", "merge main", "01 held-out",
                   "02b main (bf16)", "03 main", "04 main", "05 t0", "05 t1", "02b fp8",
-                  "04 fp8"):
+                  "04 fp8", "02b fp8_all", "02b topk", "04 fp8_all", "04 topk", "04 topk_tail"):
         assert stages[label]["rc"] == 0, label
         assert stages[label]["wall_s"] > 0
     for name in ("summary.md", "summary.json", "stages.json", "bench_t0_results.json",
@@ -375,7 +375,9 @@ def test_smoke_run_completes_every_stage_and_copies_the_summary(smoke_run):
     assert "peak_gpu_bytes" in t1 and t1["peak_gpu_bytes"] is None  # 05 reports it on CUDA
     assert stages["05 t1"]["command"].startswith("python 05_benchmark.py --workdir ")
     side = {k for k, d in state["done"].items() if d.get("side_by_side")}
-    assert {"eval main", "controls", "05 t1", "eval fp8"} <= side
+    assert {"eval main", "controls", "05 t1", "eval fp8", "eval fp8_all", "eval topk",
+            "eval topk_tail"} <= side
+    assert "--topk-teacher tail" in stages["04 topk_tail"]["command"]
     assert len([k for k in side if k.startswith("eval size ")]) == 2
     md = (workdir / "results" / "summary.md").read_text()
     assert "| 05 t1 (side by side) |" in md and "Phase 3 (1 run)" in md
@@ -431,8 +433,9 @@ def test_smoke_summary_reports_every_required_figure(smoke_run):
     assert all(m["lossless_mismatches"] == 0
                for m in s["bench"]["t0"]["sets"]["conversations"]["steps"].values())
     sweeps = s["sweeps"]
-    assert {"main", "fp8", "control_reference", "control_final_state",
-            "control_shifted_layers"} <= set(sweeps)
+    assert {"main", "fp8", "fp8_all", "topk", "topk_tail", "control_reference",
+            "control_final_state", "control_shifted_layers"} <= set(sweeps)
+    assert set(sweeps["topk_tail"]["steps"]) == {"3", "7"}
     assert len([k for k in sweeps if k.startswith("size_")]) == 2  # + main: three sizes
     assert [k for k in sweeps if k.startswith("ckpt_")]  # checkpoints before the final one
     assert sweeps["control_shifted_layers"]["capture_layers"] == shifted_layers(
@@ -445,6 +448,9 @@ def test_smoke_summary_reports_every_required_figure(smoke_run):
     two = s["stages"]["02b main (bf16)"]["throughput"]
     eight = s["stages"]["02b fp8"]["throughput"]
     assert eight["bytes_per_token"] < two["bytes_per_token"]  # fp8 aux states are smaller
+    compact = [s["stages"][f"02b {n}"]["throughput"]["bytes_per_token"] for n in ("fp8_all",
+                                                                                  "topk")]
+    assert max(compact) < two["bytes_per_token"]  # at hidden 64 the file overhead decides
     assert s["target"]["parameters"]["total"] > 0 and math.isfinite(s["target"]["heldout_loss"])
     md = (smoke_run[0] / "results" / "summary.md").read_text()
     for heading in ("Acceptance on held-out prompts", "bf16 vs fp8", "training data size",
