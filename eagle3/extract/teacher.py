@@ -8,7 +8,9 @@ count a miss wherever the target's choice lies outside the draft vocabulary.
 
 Costs `2 * H * (V_draft + V_target)` FLOPs a token (Kimi-K2.5: 2.8 GFLOP, against about 64 GFLOP
 for the target's own forward): on a GPU a few percent of 02b, on a CPU impractical at Kimi size.
-Computed in float32 from the bf16-rounded final state, as training from a bf16 file sees it.
+Computed from the bf16-rounded final state (as training from a bf16 file sees it) in the
+lm_head's own dtype (bf16 for Kimi, as the server's logits; float32 for a float32 target), the
+log-softmax in float32.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class TeacherHead:
             raise ValueError(f"--teacher-topk {k}: expected 1..{draft_vocab} (the draft vocabulary)")
         self.k, self.device = k, torch.device(device)
         hot = hot_ids_from_d2t(d2t.to(torch.int64))
-        self.full_VH = lm_head_VH.to(self.device, torch.float32)
+        self.full_VH = lm_head_VH.to(self.device)  # its own dtype: bf16 for Kimi (2.3 GB)
         self.hot_VdH = self.full_VH[hot.to(self.device)]
         self.draft_vocab, self.sha = draft_vocab, vocab_sha256(d2t)
 
@@ -53,12 +55,12 @@ class TeacherHead:
         `[T]` of the post-norm final states `[T, H]`."""
         ids, logprobs, top = [], [], []
         for start in range(0, final_TH.shape[0], ROW_BLOCK):
-            x = final_TH[start:start + ROW_BLOCK].to(self.device, torch.float32)
-            lp = torch.log_softmax(x @ self.hot_VdH.T, dim=-1)  # over the draft vocabulary
+            x = final_TH[start:start + ROW_BLOCK].to(self.device, self.full_VH.dtype)
+            lp = torch.log_softmax((x @ self.hot_VdH.T).float(), dim=-1)  # the draft vocab
             v, i = lp.topk(self.k, dim=-1, sorted=True)
             ids.append(i.to(torch.int16).cpu())
             logprobs.append(v.to(torch.float16).cpu())
-            top.append((x @ self.full_VH.T).argmax(-1).to(torch.int32).cpu())
+            top.append((x @ self.full_VH.T).argmax(-1).to(torch.int32).cpu())  # target ids
         return {"teacher_ids": torch.cat(ids), "teacher_logprobs": torch.cat(logprobs),
                 "target_top": torch.cat(top)}
 

@@ -350,8 +350,8 @@ def _final_rel_err(data: dict, got_final: torch.Tensor | None, ref_final_TH: tor
     if teacher is None:
         raise ExtractError("an fp8-topk file can only be verified with its teacher head")
     got = hs.unpack_teacher(data)
-    ref_TV = torch.log_softmax(hs.stored_value(ref_final_TH, "bf16").to(teacher.device)
-                               @ teacher.hot_VdH.T, dim=-1).cpu()
+    x = hs.stored_value(ref_final_TH, "bf16").to(teacher.device, teacher.hot_VdH.dtype)
+    ref_TV = torch.log_softmax((x @ teacher.hot_VdH.T).float(), dim=-1).cpu()
     return _rel_err(got["logprobs"], ref_TV.gather(-1, got["ids"]))
 
 

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Hidden-state storage layouts on the tiny target (CPU): bytes/token and acceptance of drafts
+trained from each, same data, same seed, same flags, the offline evaluator of 05.
+
+Takes a finished demo work folder (`bash demo.sh runs/demo`: 01 -> 01b -> merge -> 02b bf16 ->
+03 -> 04 -> 05). Its 02b/04 are the bf16 run; for each other layout a folder under `--out`
+links the demo's merged data and vocabulary, runs 02b `--backend hf --dtype <layout>` and 04
+with the demo's flags (seed 0); the top-k files are trained twice, `--topk-teacher renorm` and
+`tail`. Every draft, bf16 included, is then measured by 05 `--backend hf --steps 3 7` on the
+same prompts. Also printed: the teacher mass outside the top K (from the bf16 files' final
+states), the quantity the two truncations treat differently.
+
+    bash demo.sh runs/demo
+    OMP_NUM_THREADS=1 python benchmarks/bench_layouts.py --demo runs/demo --out runs/layouts
+
+Tiny-target figures are weak evidence (hidden 64, a 256-id draft vocabulary); the GPU
+reference run (reference/run_reference.py, phase 3) measures the same layouts on a real target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from eagle3.core import hidden_states as hs
+from eagle3.core.target import load_lm_head
+from eagle3.train.data import list_files
+from eagle3.vocab.mapping import hot_ids_from_d2t
+from reference.stages import linked_workdir, script_module
+
+# run name -> (02b --dtype, 04 --topk-teacher, run whose 02b files it trains from)
+RUNS = {"bf16": ("bf16", None, None), "fp8": ("fp8", None, None),
+        "fp8_all": ("fp8-all", None, None), "topk": ("fp8-topk", "renorm", None),
+        "topk_tail": ("fp8-topk", "tail", "topk")}
+TRAIN = ["--epochs", "6", "--lr", "1e-3", "--max-seq-len", "512", "--num-workers", "1",
+         "--eval-every", "100", "--log-every", "50", "--seed", "0"]  # demo.sh's 04 flags
+BENCH = ["--backend", "hf", "--steps", "3", "7", "--max-new-tokens", "32", "--num-prompts", "8"]
+TAIL_K = (4, 8, 16, 32, 64)
+
+
+def run(stage: str, argv: list) -> None:
+    rc = script_module(stage).main([str(a) for a in argv]) or 0
+    if rc:
+        raise SystemExit(f"{stage} {' '.join(map(str, argv))} exited with {rc}")
+
+
+def workdir_of(name: str, demo: Path, out: Path) -> Path:
+    if name == "bf16":  # the demo's own 02b and 04; 05 writes into the linked folder
+        return linked_workdir(out / name, {s: demo / s for s in (
+            "01c_merged", "02b_hidden_states", "03_vocab", "04_train")})
+    links = {"01c_merged": demo / "01c_merged", "03_vocab": demo / "03_vocab"}
+    shared = RUNS[name][2]
+    if shared:
+        links["02b_hidden_states"] = out / shared / "02b_hidden_states"
+    return linked_workdir(out / name, links)
+
+
+def tail_mass(demo: Path, target: Path) -> dict:
+    """Mean teacher mass outside the top K over supervised tokens, from the bf16 files."""
+    d2t = load_file(str(demo / "03_vocab" / "vocab_mapping.safetensors"))["d2t"]
+    hot = load_lm_head(target, hot_ids_from_d2t(d2t)).float()
+    sums, n = torch.zeros(len(TAIL_K), dtype=torch.float64), 0
+    for path in list_files(demo / "02b_hidden_states" / "train"):
+        data = hs.load(path)
+        _, final = hs.unpack(data, torch.float32)
+        p = torch.softmax(final[data["loss_mask"].bool()] @ hot.T, -1)
+        top = p.sort(-1, descending=True).values.cumsum(-1)
+        for j, k in enumerate(TAIL_K):
+            sums[j] += (1 - top[:, min(k, top.shape[1]) - 1]).clamp(min=0).sum().double()
+        n += p.shape[0]
+    return {str(k): float(sums[j] / max(n, 1)) for j, k in enumerate(TAIL_K)}
+
+
+def measure(name: str, demo: Path, target: Path, out: Path, topk: int) -> dict:
+    dtype, mode, shared = RUNS[name]
+    w = workdir_of(name, demo, out)
+    if name != "bf16":
+        if not shared:
+            extra = ["--teacher-topk", topk] if dtype == "fp8-topk" else []
+            run("02b", ["--workdir", w, "--target", target, "--backend", "hf", "--dtype", dtype,
+                        *extra])
+        run("04", ["--workdir", w, "--target", target, *TRAIN,
+                   *(["--topk-teacher", mode] if mode else [])])
+    run("05", ["--workdir", w, "--target", target, *BENCH])
+    m = json.loads((w / "02b_hidden_states" / "manifest.json").read_text())
+    tokens = sum(o["tokens"] for o in m["outputs"].values())
+    res = json.loads((w / "05_benchmark" / "results.json").read_text())
+    (sset,) = res["prompt_sets"].values()
+    return {"dtype": dtype, "topk_teacher": mode, "bytes_per_token": m["disk_bytes"] / tokens,
+            "payload_bytes_per_token": hs.bytes_per_token(m["hidden_size"], dtype, topk),
+            "kimi_bytes_per_token": hs.bytes_per_token(7168, dtype, 64),
+            "acceptance": {s: r["acceptance_length"] for s, r in sset["steps"].items()},
+            "loop_share": {s: (r.get("loop") or {}).get("share") for s, r in sset["steps"].items()},
+            "prompts": sset.get("prompts")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--demo", type=Path, required=True, help="a finished demo.sh work folder")
+    ap.add_argument("--out", type=Path, required=True, help="folder of the layout runs")
+    ap.add_argument("--topk", type=int, default=16, help="02b --teacher-topk (draft vocab 256)")
+    args = ap.parse_args(argv)
+    target = args.demo / "target"
+    rows = {name: measure(name, args.demo, target, args.out, args.topk) for name in RUNS}
+    result = {"topk": args.topk, "runs": rows, "tail_mass": tail_mass(args.demo, target)}
+    (args.out / "layouts.json").write_text(json.dumps(result, indent=1))
+    print("| layout | bytes/token (files) | payload | Kimi-K2.5 | acceptance @3 | @7 |")
+    for name, r in rows.items():
+        a = r["acceptance"]
+        print(f"| {name} | {r['bytes_per_token']:,.0f} | {r['payload_bytes_per_token']:,} | "
+              f"{r['kimi_bytes_per_token']:,} | {a['3']:.3f} | {a['7']:.3f} |")
+    print("teacher mass outside the top K:", result["tail_mass"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
