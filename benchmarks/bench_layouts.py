@@ -2,12 +2,12 @@
 """Hidden-state storage layouts on the tiny target (CPU): bytes/token and acceptance of drafts
 trained from each, same data, same seed, same flags, the offline evaluator of 05.
 
-Takes a finished demo work folder (`bash demo.sh runs/demo`: 01 -> 01b -> merge -> 02b bf16 ->
-03 -> 04 -> 05). Its 02b/04 are the bf16 run; for each other layout a folder under `--out`
-links the demo's merged data and vocabulary, runs 02b `--backend hf --dtype <layout>` and 04
-with the demo's flags (seed 0); the top-k files are trained twice, `--topk-teacher renorm` and
-`tail`. Every draft, bf16 included, is then measured by 05 `--backend hf --steps 3 7` on the
-same prompts. Also printed: the teacher mass outside the top K (from the bf16 files' final
+Takes a demo work folder with the tiny target and merged data (`bash demo.sh runs/demo`, or its
+`target/` and `01c_merged/`); runs 03 there (`--draft-vocab 256`, as the demo) when missing.
+For each layout a folder under `--out` links the merged data and vocabulary, runs 02b
+`--backend hf --dtype <layout>` and 04 with demo.sh's flags (seed 0); the top-k files are
+trained twice, `--topk-teacher renorm` and `tail`. Every draft is then measured by 05
+`--backend hf --steps 3 7` on the same prompts (the eval split, as demo.sh). Also printed: the teacher mass outside the top K (from the bf16 files' final
 states), the quantity the two truncations treat differently.
 
     bash demo.sh runs/demo
@@ -36,8 +36,8 @@ from reference.stages import linked_workdir, script_module
 RUNS = {"bf16": ("bf16", None, None), "fp8": ("fp8", None, None),
         "fp8_all": ("fp8-all", None, None), "topk": ("fp8-topk", "renorm", None),
         "topk_tail": ("fp8-topk", "tail", "topk")}
-TRAIN = ["--epochs", "6", "--lr", "1e-3", "--max-seq-len", "512", "--num-workers", "1",
-         "--eval-every", "100", "--log-every", "50", "--seed", "0"]  # demo.sh's 04 flags
+TRAIN = ["--lr", "1e-3", "--max-seq-len", "512", "--num-workers", "1", "--eval-every", "100",
+         "--log-every", "50", "--seed", "0"]  # demo.sh's 04 flags, --epochs apart
 BENCH = ["--backend", "hf", "--steps", "3", "7", "--max-new-tokens", "32", "--num-prompts", "8"]
 TAIL_K = (4, 8, 16, 32, 64)
 
@@ -49,9 +49,6 @@ def run(stage: str, argv: list) -> None:
 
 
 def workdir_of(name: str, demo: Path, out: Path) -> Path:
-    if name == "bf16":  # the demo's own 02b and 04; 05 writes into the linked folder
-        return linked_workdir(out / name, {s: demo / s for s in (
-            "01c_merged", "02b_hidden_states", "03_vocab", "04_train")})
     links = {"01c_merged": demo / "01c_merged", "03_vocab": demo / "03_vocab"}
     shared = RUNS[name][2]
     if shared:
@@ -75,16 +72,15 @@ def tail_mass(demo: Path, target: Path) -> dict:
     return {str(k): float(sums[j] / max(n, 1)) for j, k in enumerate(TAIL_K)}
 
 
-def measure(name: str, demo: Path, target: Path, out: Path, topk: int) -> dict:
+def measure(name: str, demo: Path, target: Path, out: Path, topk: int, epochs: int) -> dict:
     dtype, mode, shared = RUNS[name]
     w = workdir_of(name, demo, out)
-    if name != "bf16":
-        if not shared:
-            extra = ["--teacher-topk", topk] if dtype == "fp8-topk" else []
-            run("02b", ["--workdir", w, "--target", target, "--backend", "hf", "--dtype", dtype,
-                        *extra])
-        run("04", ["--workdir", w, "--target", target, *TRAIN,
-                   *(["--topk-teacher", mode] if mode else [])])
+    if not shared:
+        extra = ["--teacher-topk", topk] if dtype == "fp8-topk" else []
+        run("02b", ["--workdir", w, "--target", target, "--backend", "hf", "--dtype", dtype,
+                    *extra])
+    run("04", ["--workdir", w, "--target", target, *TRAIN, "--epochs", epochs,
+               *(["--topk-teacher", mode] if mode else [])])
     run("05", ["--workdir", w, "--target", target, *BENCH])
     m = json.loads((w / "02b_hidden_states" / "manifest.json").read_text())
     tokens = sum(o["tokens"] for o in m["outputs"].values())
@@ -103,10 +99,14 @@ def main(argv=None) -> int:
     ap.add_argument("--demo", type=Path, required=True, help="a finished demo.sh work folder")
     ap.add_argument("--out", type=Path, required=True, help="folder of the layout runs")
     ap.add_argument("--topk", type=int, default=16, help="02b --teacher-topk (draft vocab 256)")
+    ap.add_argument("--epochs", type=int, default=6, help="04 --epochs (demo.sh: 6)")
     args = ap.parse_args(argv)
     target = args.demo / "target"
-    rows = {name: measure(name, args.demo, target, args.out, args.topk) for name in RUNS}
-    result = {"topk": args.topk, "runs": rows, "tail_mass": tail_mass(args.demo, target)}
+    if not (args.demo / "03_vocab" / "manifest.json").exists():
+        run("03", ["--workdir", args.demo, "--target", target, "--draft-vocab", 256])
+    rows = {name: measure(name, args.demo, target, args.out, args.topk, args.epochs)
+            for name in RUNS}
+    result = {"topk": args.topk, "epochs": args.epochs, "runs": rows, "tail_mass": tail_mass(args.demo, target)}
     (args.out / "layouts.json").write_text(json.dumps(result, indent=1))
     print("| layout | bytes/token (files) | payload | Kimi-K2.5 | acceptance @3 | @7 |")
     for name, r in rows.items():
