@@ -30,6 +30,7 @@ from eagle3.core import hidden_states as hs
 from eagle3.core.target import load_lm_head
 from eagle3.train.data import list_files
 from eagle3.vocab.mapping import hot_ids_from_d2t
+from reference.loop_share import loop_mask, loop_stats
 from reference.stages import linked_workdir, script_module
 
 # run name -> (02b --dtype, 04 --topk-teacher, run whose 02b files it trains from)
@@ -72,6 +73,19 @@ def tail_mass(demo: Path, target: Path) -> dict:
     return {str(k): float(sums[j] / max(n, 1)) for j, k in enumerate(TAIL_K)}
 
 
+def loop_free_acceptance(step: dict) -> float | None:
+    """Tokens per verify round over the rounds none of whose tokens lie in a repetition loop
+    (reference/loop_share.py); None when every round touches a loop."""
+    tokens = rounds = 0
+    for out, lengths in zip(step["outputs"], step["accept_lengths"]):
+        mask, pos = loop_mask(list(out)), len(out) - sum(lengths)  # the first token: prefill
+        for a in lengths:
+            if not any(mask[pos:pos + a]):
+                tokens, rounds = tokens + a, rounds + 1
+            pos += a
+    return tokens / rounds if rounds else None
+
+
 def measure(name: str, demo: Path, target: Path, out: Path, topk: int, epochs: int) -> dict:
     dtype, mode, shared = RUNS[name]
     w = workdir_of(name, demo, out)
@@ -90,7 +104,9 @@ def measure(name: str, demo: Path, target: Path, out: Path, topk: int, epochs: i
             "payload_bytes_per_token": hs.bytes_per_token(m["hidden_size"], dtype, topk),
             "kimi_bytes_per_token": hs.bytes_per_token(7168, dtype, 64),
             "acceptance": {s: r["acceptance_length"] for s, r in sset["steps"].items()},
-            "loop_share": {s: (r.get("loop") or {}).get("share") for s, r in sset["steps"].items()},
+            "loop_share": {s: loop_stats(r["outputs"]).to_dict()["share"]
+                           for s, r in sset["steps"].items()},
+            "loop_free_acceptance": {s: loop_free_acceptance(r) for s, r in sset["steps"].items()},
             "prompts": sset.get("prompts")}
 
 
@@ -108,11 +124,15 @@ def main(argv=None) -> int:
             for name in RUNS}
     result = {"topk": args.topk, "epochs": args.epochs, "runs": rows, "tail_mass": tail_mass(args.demo, target)}
     (args.out / "layouts.json").write_text(json.dumps(result, indent=1))
-    print("| layout | bytes/token (files) | payload | Kimi-K2.5 | acceptance @3 | @7 |")
+    print("| layout | bytes/token (files) | payload | Kimi-K2.5 | acceptance @3 | @7 | "
+          "loop share @3 / @7 | loop-free acceptance @3 / @7 |")
     for name, r in rows.items():
-        a = r["acceptance"]
+        a, loop, free = r["acceptance"], r["loop_share"], r["loop_free_acceptance"]
         print(f"| {name} | {r['bytes_per_token']:,.0f} | {r['payload_bytes_per_token']:,} | "
-              f"{r['kimi_bytes_per_token']:,} | {a['3']:.3f} | {a['7']:.3f} |")
+              f"{r['kimi_bytes_per_token']:,} | {a['3']:.3f} | {a['7']:.3f} | "
+              f"{loop['3']:.3f} / {loop['7']:.3f} | "
+              + " / ".join("–" if free[k] is None else f"{free[k]:.3f}" for k in ("3", "7"))
+              + " |")
     print("teacher mass outside the top K:", result["tail_mass"])
     return 0
 
