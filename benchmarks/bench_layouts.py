@@ -57,12 +57,15 @@ def workdir_of(name: str, demo: Path, out: Path) -> Path:
     return linked_workdir(out / name, links)
 
 
-def tail_mass(demo: Path, target: Path) -> dict:
+def tail_mass(bf16_workdir: Path, target: Path) -> dict:
     """Mean teacher mass outside the top K over supervised tokens, from the bf16 files."""
-    d2t = load_file(str(demo / "03_vocab" / "vocab_mapping.safetensors"))["d2t"]
+    d2t = load_file(str(bf16_workdir / "03_vocab" / "vocab_mapping.safetensors"))["d2t"]
     hot = load_lm_head(target, hot_ids_from_d2t(d2t)).float()
     sums, n = torch.zeros(len(TAIL_K), dtype=torch.float64), 0
-    for path in list_files(demo / "02b_hidden_states" / "train"):
+    files = list_files(bf16_workdir / "02b_hidden_states" / "train")
+    if not files:
+        raise SystemExit(f"no bf16 files under {bf16_workdir}/02b_hidden_states/train")
+    for path in files:
         data = hs.load(path)
         _, final = hs.unpack(data, torch.float32)
         p = torch.softmax(final[data["loss_mask"].bool()] @ hot.T, -1)
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
         run("03", ["--workdir", args.demo, "--target", target, "--draft-vocab", 256])
     rows = {name: measure(name, args.demo, target, args.out, args.topk, args.epochs)
             for name in RUNS}
-    result = {"topk": args.topk, "epochs": args.epochs, "runs": rows, "tail_mass": tail_mass(args.demo, target)}
+    result = {"topk": args.topk, "epochs": args.epochs, "runs": rows, "tail_mass": tail_mass(args.out / "bf16", target)}
     (args.out / "layouts.json").write_text(json.dumps(result, indent=1))
     print("| layout | bytes/token (files) | payload | Kimi-K2.5 | acceptance @3 | @7 | "
           "loop share @3 / @7 | loop-free acceptance @3 / @7 |")
