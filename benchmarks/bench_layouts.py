@@ -125,7 +125,8 @@ def main(argv=None) -> int:
         run("03", ["--workdir", args.demo, "--target", target, "--draft-vocab", 256])
     rows = {name: measure(name, args.demo, target, args.out, args.topk, args.epochs)
             for name in RUNS}
-    result = {"topk": args.topk, "epochs": args.epochs, "runs": rows, "tail_mass": tail_mass(args.out / "bf16", target)}
+    result = {"topk": args.topk, "epochs": args.epochs, "runs": rows,
+              "tail_mass": tail_mass(args.out / "bf16", target)}
     (args.out / "layouts.json").write_text(json.dumps(result, indent=1))
     print("| layout | bytes/token (files) | payload | Kimi-K2.5 | acceptance @3 | @7 | "
           "loop share @3 / @7 | loop-free acceptance @3 / @7 |")

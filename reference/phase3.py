@@ -1,12 +1,12 @@
 """Phase 3 of the reference benchmark: every draft of the run on the same held-out prompts.
 
 First, alone on the GPU, 02b of the fp8-state, compact-layout (fp8-all, fp8-topk) and
-data-size runs. Then the evaluations run as
-subprocesses side by side (reference/parallel.py: batch-1 decoding of this target leaves the GPU
-mostly idle), submitted in priority order: the final draft (bf16 states, chains of 3 and 7), the
-controls, 05 at temperature 1 and the per-epoch checkpoints. Meanwhile this process trains the
-fp8-state, compact-layout (fp8-all, top-k renormalised, top-k with the tail bucket) and
-data-size drafts (04) and submits each one's evaluation when it is trained. What no longer fits the time budget is not
+data-size runs. Then the evaluations run as subprocesses side by side (reference/parallel.py:
+batch-1 decoding of this target leaves the GPU mostly idle), submitted in priority order: the
+final draft (bf16 states, chains of 3 and 7), the controls, 05 at temperature 1 and the
+per-epoch checkpoints. Meanwhile this process trains the fp8-state, compact-layout (fp8-all,
+top-k renormalised, top-k with the tail bucket) and data-size drafts (04) and submits each
+one's evaluation when it is trained. What no longer fits the time budget is not
 started and is listed in the summary; running the phase again does it (finished work is kept).
 """
 

@@ -233,8 +233,8 @@ def _parallel_md(state: dict) -> list[str]:
     walls = " + ".join(f"{r['wall_s']:.0f} s ({r['jobs']} processes, {r['eval_workers']} at a "
                        "time)" for r in runs)
     return [f"Phase 3 ({len(runs)} run{'s' if len(runs) > 1 else ''}): {walls}, the fp8, "
-            f"compact-layout and data-size drafts trained meanwhile; the {len(jobs)} evaluation processes' own wall "
-            f"times add up to {sum(jobs.values()):.0f} s.", ""]
+            f"compact-layout and data-size drafts trained meanwhile; the {len(jobs)} evaluation "
+            f"processes' own wall times add up to {sum(jobs.values()):.0f} s.", ""]
 
 
 def _sweep_md(s: dict, names: list[tuple[str, str]]) -> list[str]:

@@ -37,9 +37,11 @@ class TeacherHead:
         draft_vocab = d2t.numel()
         if draft_vocab > TOPK_MAX_DRAFT_VOCAB:
             raise ValueError(f"--dtype fp8-topk stores draft ids as int16: the draft vocabulary "
-                             f"({draft_vocab}) must be <= {TOPK_MAX_DRAFT_VOCAB} (03 --draft-vocab)")
+                             f"({draft_vocab}) must be <= {TOPK_MAX_DRAFT_VOCAB} "
+                             "(03 --draft-vocab)")
         if not 1 <= k <= draft_vocab:
-            raise ValueError(f"--teacher-topk {k}: expected 1..{draft_vocab} (the draft vocabulary)")
+            raise ValueError(f"--teacher-topk {k}: expected 1..{draft_vocab} "
+                             "(the draft vocabulary size)")
         self.k, self.device = k, torch.device(device)
         hot = hot_ids_from_d2t(d2t.to(torch.int64))
         self.full_VH = lm_head_VH.to(self.device)  # its own dtype: bf16 for Kimi (2.3 GB)
