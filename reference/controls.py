@@ -51,13 +51,13 @@ class _EagleModeDraft(nn.Module):
         self.fc_calls = 0  # how often fc really ran (the tests check it never does here)
         self.register_buffer("d2t", torch.zeros_like(draft.d2t))  # ignored: ids map to themselves
 
-    def fc(self, hidden_NK: torch.Tensor) -> torch.Tensor:
+    def project_aux(self, hidden_NK: torch.Tensor) -> torch.Tensor:
         # sglang/srt/models/llama_eagle3.py: `if hidden_states.shape[-1] != embeds.shape[-1]:
         # hidden_states = self.fc(hidden_states)` -- a final state of width H passes straight on.
         if hidden_NK.shape[-1] == self.cfg.hidden_size:
             return hidden_NK
         self.fc_calls += 1
-        return self.inner.fc(hidden_NK)
+        return self.inner.project_aux(hidden_NK)
 
     def step(self, *args, **kwargs):
         return self.inner.step(*args, **kwargs)

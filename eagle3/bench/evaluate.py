@@ -234,7 +234,7 @@ class Eagle3Proposer:
         n = aux_NK.shape[0]  # target states of ids[0..n-1]; ids[n] is the pending token
         dev = self.embed.device
         embeds = self.embed[torch.tensor(ids[1 : n + 1], device=dev)][None]
-        hidden = self.draft.fc(aux_NK.to(self.embed.dtype)[None])
+        hidden = self.draft.project_aux(aux_NK.to(self.embed.dtype)[None])
         cache = StepCache()
         logits, out = self.draft.step(embeds, hidden, torch.arange(n, device=dev)[None], cache)
         token, q = pick(logits[0, -1])

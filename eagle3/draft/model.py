@@ -2,14 +2,15 @@
 computes at serving time (sglang/srt/models/llama_eagle3.py), parameter names included.
 
     h        = fc(cat(aux_low, aux_mid, aux_high))            # [T, 3*Ht] -> [T, H], step 0 only
+                                                               # (fc_norm: each aux RMS-normed)
     x        = cat(input_layernorm(embed(token)), hidden_norm(h))   # [T, 2H]
     a        = o_proj(attention(q/k/v_proj(x)))                # RoPE, neox style
     n, r     = post_attention_layernorm(a, residual=h)         # fused add: r = a + h
     n2, out  = norm(mlp(n), residual=r)                        # fused add: out = mlp(n) + r
     logits   = lm_head(n2)                                     # [T, draft_vocab]
 
-`out` (the pre-norm sum, rounded to the compute dtype) is the next draft step's hidden, as in
-SGLang, whose fused RMSNorm adds in float32, returns the sum cast back, and normalises the float32
+`out` (the pre-norm sum, rounded to the compute dtype; `n2` with EAGLE-3.1's `norm_output`) is
+the next draft step's hidden, as in SGLang, whose fused RMSNorm adds in float32, returns the sum cast back, and normalises the float32
 sum. Training-time test (TTT) unrolls k steps: step j reads the token j positions further, at RoPE
 position t + j, with step j-1's `out` as its hidden. Step j's query at anchor t attends to step
 0's keys at rows <= t of its own sequence (the draft's KV cache after extend) and to the keys of
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 FLEX_BLOCK = 128  # flex attention block size; packed rows are padded to a multiple of it
+DRAFT_ARCHS = ("llama", "mla")
 
 
 @dataclass
@@ -53,6 +55,28 @@ class DraftConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     capture_layers: list[int] = field(default_factory=lambda: [2, 30, 58])
+    # EAGLE-3.1 options (both engines read these config.json fields under these names):
+    fc_norm: bool = False  # RMSNorm each aux state (its own weight) before fc
+    norm_output: bool = False  # the next step's hidden is the post-norm output, not the sum
+    # "llama" (this file) or "mla" (eagle3/draft/mla.py: DeepSeek-V2 multi-latent attention,
+    # whose sizes below are 0 for "llama")
+    arch: str = "llama"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in DRAFT_ARCHS:
+            raise ValueError(f"draft arch {self.arch!r}: expected one of {DRAFT_ARCHS} "
+                             "(--draft-arch)")
+        mla = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
+               self.qk_rope_head_dim, self.v_head_dim)
+        if self.arch == "mla" and min(mla) < 1:
+            raise ValueError(f"an MLA draft needs q_lora_rank, kv_lora_rank, qk_nope_head_dim, "
+                             f"qk_rope_head_dim, v_head_dim > 0, got {mla}: size it from an MLA "
+                             "target (DeepSeek-V3 / Kimi-K2.5 config.json)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -269,23 +293,28 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, attention_cls: type = Attention):
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention_cls(cfg)  # qkv(x, positions) -> q, k, v; out(attn)
         self.mlp = MLP(cfg)
 
 
 class Eagle3Draft(nn.Module):
     """The draft; `state_dict()` keys are exactly the SGLang checkpoint names."""
 
+    attention_cls: type = Attention  # the MLA draft (eagle3/draft/mla.py) swaps this only
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.midlayer = MidLayer(cfg)
+        if cfg.fc_norm:  # EAGLE-3.1: one RMSNorm per aux state, `fc_norm.{i}.weight`
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                         for _ in range(3))
+        self.midlayer = MidLayer(cfg, self.attention_cls)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
@@ -300,8 +329,16 @@ class Eagle3Draft(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    def project_aux(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
+        """Step 0's hidden: fc over the 3 aux states, each RMS-normed first with `fc_norm`."""
+        if self.cfg.fc_norm:
+            chunks = aux_BT3H.chunk(3, dim=-1)
+            aux_BT3H = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_BT3H)
+
     def layer(self, embeds_BTH, hidden_BTH, positions_BT, attend):
-        """One pass of the layer: (normed output `[B, T, H]`, pre-norm sum = next hidden).
+        """One pass of the layer: (normed output `[B, T, H]`, next hidden): the pre-norm sum, or
+        with `norm_output` the normed output itself (EAGLE-3.1).
 
         `attend(q, k, v)` stores this step's keys/values and returns the attention `[B,h,T,d]`.
         """
@@ -310,7 +347,8 @@ class Eagle3Draft(nn.Module):
         q, k, v = mid.self_attn.qkv(x, positions_BT)
         attn = mid.self_attn.out(attend(q, k, v))
         normed, residual = mid.post_attention_layernorm(attn, hidden_BTH)
-        return self.norm(mid.mlp(normed), residual)
+        out, summed = self.norm(mid.mlp(normed), residual)
+        return out, (out if self.cfg.norm_output else summed)
 
     def step(self, embeds_BTH, hidden_BTH, positions_BT, cache: StepCache,
              anchors_T: torch.Tensor | None = None, doc_BT: torch.Tensor | None = None):

@@ -105,7 +105,7 @@ class TTTModel(nn.Module):
         """The draft logits `[B, T, V]` of steps 0..K-1 (row t = anchor t; rows whose token
         t+1+k lies outside the sequence are garbage that no valid row ever attends to)."""
         T = input_ids.shape[1]
-        hidden = self.draft.fc(aux.to(self.compute_dtype))  # once per batch, not per step
+        hidden = self.draft.project_aux(aux.to(self.compute_dtype))  # once per batch, not per step
         keys, values, cache = [], [], StepCache()
         anchors = torch.arange(T, device=input_ids.device)
         out = []  # a list, not a generator: simpler for torch.compile to trace

@@ -18,14 +18,16 @@ import torch
 from eagle3.draft.model import FLEX_BLOCK, DraftConfig, Eagle3Draft, StepCache, TTTMasks
 from eagle3.train.ttt import SoftCrossEntropy, TTTModel
 
+from draft_helpers import masked_math_flex, packed_row
+
 H, HEADS, KV_HEADS, D, INTER, VT, VD, K = 32, 4, 2, 8, 48, 60, 24, 4
 
 
-def _draft(seed: int = 0) -> Eagle3Draft:
+def _draft(seed: int = 0, fc_norm: bool = False, norm_output: bool = False) -> Eagle3Draft:
     cfg = DraftConfig(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                       head_dim=D, intermediate_size=INTER, vocab_size=VT, draft_vocab_size=VD,
                       target_hidden_size=H, rms_norm_eps=1e-6, rope_theta=500.0,
-                      capture_layers=[2, 4, 5])
+                      capture_layers=[2, 4, 5], fc_norm=fc_norm, norm_output=norm_output)
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     with torch.no_grad():
@@ -44,6 +46,7 @@ class Reference:
         self.w = {k: v.double() for k, v in draft.state_dict().items()}
         self.embed = embed.double()
         self.eps, self.theta = draft.cfg.rms_norm_eps, draft.cfg.rope_theta
+        self.fc_norm, self.norm_output = draft.cfg.fc_norm, draft.cfg.norm_output
 
     def rms(self, x, name):
         return x / torch.sqrt((x * x).mean() + self.eps) * self.w[name]
@@ -76,13 +79,19 @@ class Reference:
         mlp = w["midlayer.mlp.down_proj.weight"] @ (torch.nn.functional.silu(gate)
                                                      * (w["midlayer.mlp.up_proj.weight"] @ n))
         out = mlp + residual
-        return w["lm_head.weight"] @ self.rms(out, "norm.weight"), out
+        normed = self.rms(out, "norm.weight")
+        # EAGLE-3.1 norm_output: the next step reads the normed state (llama_eagle3.py `aux`)
+        return w["lm_head.weight"] @ normed, (normed if self.norm_output else out)
 
     def extend(self, ids: list[int], aux):
         """Draft extend over rows 0..len(ids)-2: per-row (logits, hidden) and the KV list."""
         kv, rows = [], []
         for i in range(len(ids) - 1):
-            h = self.w["fc.weight"] @ aux[i].double()
+            x = aux[i].double()
+            if self.fc_norm:  # EAGLE-3.1: each aux state RMS-normed by fc_norm.{j} before fc
+                x = torch.cat([self.rms(c, f"fc_norm.{j}.weight") for j, c in
+                               enumerate(x.chunk(3))])
+            h = self.w["fc.weight"] @ x
             rows.append(self.token(ids[i + 1], h, i, kv))
         return rows, kv
 
@@ -99,29 +108,15 @@ class Reference:
         return out
 
 
-# ---------------------------------------------------------------- helpers
-
-
-def _packed(seqs: list[list[int]], width: int):
-    """A packed row of `seqs`: ids, doc ids (-1 = padding), positions, all [1, width]."""
-    ids, doc, pos = [], [], []
-    for j, s in enumerate(seqs):
-        ids += s
-        doc += [j] * len(s)
-        pos += list(range(len(s)))
-    pad = width - len(ids)
-    return (torch.tensor([ids + [0] * pad]), torch.tensor([doc + [-1] * pad], dtype=torch.int32),
-            torch.tensor([pos + [0] * pad]))
-
-
-@pytest.mark.parametrize("attention", ["naive", "flex"])
-def test_training_unroll_matches_serving_reference_when_sequences_are_packed(attention):
+@pytest.mark.parametrize("attention,options", [("naive", False), ("flex", False),
+                                               ("naive", True)])
+def test_training_unroll_matches_serving_reference_when_sequences_are_packed(attention, options):
     torch.manual_seed(1)
-    draft = _draft()
+    draft = _draft(fc_norm=options, norm_output=options)
     embed = torch.randn(VT, H)
     seqs = [torch.randint(0, VT, (n,)).tolist() for n in (13, 9)]
     width = FLEX_BLOCK if attention == "flex" else 26
-    ids, doc, pos = _packed(seqs, width)
+    ids, doc, pos = packed_row(seqs, width)
     aux = torch.randn(1, width, 3 * H)
     model = TTTModel(draft, embed, torch.randn(VD, H), K, 0.8, attention)
     with torch.no_grad():
@@ -192,36 +187,17 @@ def test_flex_block_masks_match_dense_mask_when_sequences_are_packed():
         assert torch.equal(got.kv_num_blocks, ref.kv_num_blocks), s
 
 
-def _masked_math_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False):
-    """flex_attention's semantics, differentiable on CPU: a key is visible only if its block is
-    listed in the block mask (partial or full) and, in a partial block, the mask_mod allows it."""
-    T, S = q.shape[2], k.shape[2]
-    qi, ki = torch.arange(T)[:, None], torch.arange(S)[None, :]
-    blocks = block_mask.to_dense()[0, 0].bool()  # [Qb, Kb]: listed blocks
-    listed = blocks.repeat_interleave(FLEX_BLOCK, 0).repeat_interleave(FLEX_BLOCK, 1)
-    full = torch.zeros_like(blocks)
-    for qb in range(blocks.shape[0]):
-        n = int(block_mask.full_kv_num_blocks[0, 0, qb])
-        full[qb, block_mask.full_kv_indices[0, 0, qb, :n].long()] = True
-    full = full.repeat_interleave(FLEX_BLOCK, 0).repeat_interleave(FLEX_BLOCK, 1)
-    allowed = listed & (full | block_mask.mask_mod(torch.tensor(0), torch.tensor(0), qi, ki))
-    if enable_gqa:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
-
-
 def test_flex_and_naive_attention_give_equal_loss_and_gradients(monkeypatch):
     # flex_attention has no CPU backward: its documented semantics (block sparsity + mask_mod)
     # stand in for the kernel, so everything around it (concatenated keys, the extended block
     # masks, GQA, positions) is checked with gradients; the kernel itself runs on the GPU.
     import torch.nn.attention.flex_attention as fa
 
-    monkeypatch.setattr(fa, "flex_attention", _masked_math_flex)
+    monkeypatch.setattr(fa, "flex_attention", masked_math_flex)
     torch.manual_seed(4)
     embed, teacher = torch.randn(VT, H), torch.randn(VD, H)
-    ids, doc, pos = _packed([torch.randint(0, VT, (n,)).tolist() for n in (70, 40)], FLEX_BLOCK)
+    ids, doc, pos = packed_row([torch.randint(0, VT, (n,)).tolist() for n in (70, 40)],
+                               FLEX_BLOCK)
     mask = (torch.rand(1, FLEX_BLOCK) < 0.7).long()
     aux, final = torch.randn(1, FLEX_BLOCK, 3 * H), torch.randn(1, FLEX_BLOCK, H)
     grads, results = [], []
