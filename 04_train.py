@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if not dist_info.is_main:
         return 0
     export_sglang(draft.cpu(), stage_dir / "final", cfg.sglang_version)
-    export_speculators(draft, stage_dir / "final_speculators", str(cfg.target), cfg.ttt_steps)
+    vllm_dir = stage_dir / "final"  # the MLA folder is vLLM's too (eagle3/draft/mla_export.py)
+    if dcfg.arch == "llama":
+        vllm_dir = export_speculators(draft, stage_dir / "final_speculators", str(cfg.target),
+                                      cfg.ttt_steps)
     plots = plot_metrics(stage_dir / "metrics.jsonl", stage_dir / "plots")
     for name in (STAGE_DIRS["02b"], STAGE_DIRS["03"]):
         stage.add_input(cfg.workdir / name)
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             "eval simulated acceptance": round(summary.get("eval_sim_accept", 0.0), 3),
             "layers": describe_layers(layer_ids_for(capture_layers, cfg.sglang_version)),
             "draft (SGLang)": str(stage_dir / "final"),
-            "draft (vLLM speculators)": str(stage_dir / "final_speculators"),
+            "draft (vLLM)": str(vllm_dir),
             "plots": f"{len(plots)} PNG in {stage_dir / 'plots'}",
             "time": human_seconds(time.time() - t0)}
     print(format_summary("04 train", rows))

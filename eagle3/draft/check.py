@@ -18,6 +18,8 @@ from eagle3.core.preflight import PreflightError, Problem
 from eagle3.draft.export import CONFIG_KEYS, draft_config_from_sglang, expected_tensors
 from eagle3.draft.layers import LayerIdError, captures_by_rule, describe_layers, layer_ids_for
 
+from eagle3.draft.check_mla import check_mla_against_target, check_mla_config, is_mla_draft
+
 log = logging.getLogger(__name__)
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -61,7 +63,7 @@ def read_tensor_shapes(draft_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]
 
 def is_eagle3_draft(config: dict) -> bool:
     arch = config.get("architectures") or []
-    return EAGLE3_ARCHITECTURE in arch or bool(
+    return EAGLE3_ARCHITECTURE in arch or is_mla_draft(config) or bool(
         (config.get("eagle_config") or {}).get("use_aux_hidden_state"))
 
 
@@ -79,17 +81,26 @@ def check_draft(draft_dir: Path, target_hidden_size: int | None = None,
     shapes = read_tensor_shapes(draft_dir)
     problems += _check_weights(config, shapes, target_hidden_size)
     problems += _check_layer_ids(config, expected_captures, sglang_version)
+    top = config.get("eagle_aux_hidden_state_layer_ids")  # vLLM's reading (MLA folders)
+    if is_mla_draft(config) and expected_captures is not None and top != list(expected_captures):
+        problems.append(Problem("error", f"top-level eagle_aux_hidden_state_layer_ids={top}: vLLM "
+                                f"captures those, but the draft was trained on captures "
+                                f"{list(expected_captures)}. Write them as they are there"))
     return problems
 
 
 def _check_config(config: dict, target_hidden: int | None, target_vocab: int | None):
     problems = []
     arch = config.get("architectures") or []
-    if EAGLE3_ARCHITECTURE not in arch:
+    if is_mla_draft(config):
+        problems = [Problem(level, msg) for level, msg in check_mla_config(config)]
+        if problems:
+            return problems
+    elif EAGLE3_ARCHITECTURE not in arch:
         problems.append(Problem("error", f"config.json architectures={arch}: SGLang picks the "
                                 f"draft class from it; an EAGLE-3 draft needs "
                                 f"[\"{EAGLE3_ARCHITECTURE}\"]. {EXPORT_FIX}"))
-    missing = sorted(CONFIG_KEYS - set(config))
+    missing = [] if is_mla_draft(config) else sorted(CONFIG_KEYS - set(config))
     if missing:
         problems.append(Problem("error", f"config.json lacks {missing}. {EXPORT_FIX}"))
         return problems
@@ -244,6 +255,9 @@ def check_draft_for_run(draft_dir: Path, target_dir: Path | None = None,
         manifest = read_manifest(Path(workdir) / "02b_hidden_states") or {}
         expected = manifest.get("capture_layers") or expected
     problems = check_draft(draft_dir, hidden, vocab, expected, sglang_version)
+    if target_dir is not None and is_mla_draft(read_draft_config(draft_dir)):
+        problems += [Problem(level, msg) for level, msg in
+                     check_mla_against_target(read_draft_config(draft_dir), target_dir)]
     eval_path = Path(workdir) / "01c_merged" / "eval.jsonl" if workdir is not None else None
     if eval_path is not None and eval_path.is_file() and not any(
             p.level == "error" for p in problems):

@@ -15,6 +15,9 @@ from safetensors.torch import load_file
 
 from eagle3.core.stage import atomic_save_safetensors, atomic_write_json
 from eagle3.draft.layers import describe_layers, layer_ids_for, sglang_capture_layers
+from eagle3.draft.mla import build_draft_model
+from eagle3.draft.mla_export import (MLA_ARCHITECTURE, eagle31_fields, mla_attention_tensors,
+                                     mla_config, mla_draft_fields)
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 log = logging.getLogger(__name__)
@@ -32,7 +35,10 @@ class ExportError(ValueError):
 
 
 def sglang_config(cfg: DraftConfig, sglang_version: str | None = None) -> dict:
-    """config.json of the draft folder: exactly CONFIG_KEYS."""
+    """config.json of the draft folder: CONFIG_KEYS and the EAGLE-3.1 switches (the MLA draft's
+    folder, which vLLM serves as well, is mla_export.mla_config)."""
+    if cfg.arch == "mla":
+        return mla_config(cfg, layer_ids_for(cfg.capture_layers, sglang_version))
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -55,8 +61,10 @@ def sglang_config(cfg: DraftConfig, sglang_version: str | None = None) -> dict:
             "eagle_aux_hidden_state_layer_ids": layer_ids_for(cfg.capture_layers, sglang_version),
             "use_aux_hidden_state": True,
         },
+        # EAGLE-3.1 switches, written when on (llama_eagle3.py reads both; default off)
+        **{k: v for k, v in eagle31_fields(cfg).items() if v},
     }
-    assert set(out) == CONFIG_KEYS
+    assert CONFIG_KEYS <= set(out)
     return out
 
 
@@ -64,15 +72,20 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the draft folder with its shape (SGLang leaves missing ones random)."""
     H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {
-        "fc.weight": (H, 3 * Ht),
-        "midlayer.hidden_norm.weight": (H,),
-        "midlayer.input_layernorm.weight": (H,),
-        "midlayer.post_attention_layernorm.weight": (H,),
+    attention = mla_attention_tensors(cfg) if cfg.arch == "mla" else {
         "midlayer.self_attn.q_proj.weight": (q, 2 * H),
         "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
         "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, q),
+    }
+    fc_norm = {f"fc_norm.{i}.weight": (Ht,) for i in range(3)} if cfg.fc_norm else {}
+    return {
+        "fc.weight": (H, 3 * Ht),
+        **fc_norm,
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        **attention,
         "midlayer.mlp.gate_proj.weight": (I, H),
         "midlayer.mlp.up_proj.weight": (I, H),
         "midlayer.mlp.down_proj.weight": (H, I),
@@ -106,11 +119,12 @@ def export_sglang(draft: Eagle3Draft, out_dir: Path, sglang_version: str | None 
 def draft_config_from_sglang(config: dict, sglang_version: str = "0.5.13") -> DraftConfig:
     """The DraftConfig of an SGLang draft config.json, captures read as `sglang_version` reads."""
     ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    is_mla = MLA_ARCHITECTURE in config.get("architectures", [])
+    extra = mla_draft_fields(config) if is_mla else {
+        "num_key_value_heads": config["num_key_value_heads"], "head_dim": config["head_dim"]}
     return DraftConfig(
         hidden_size=config["hidden_size"],
         num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"],
         intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         draft_vocab_size=config["draft_vocab_size"],
@@ -119,6 +133,10 @@ def draft_config_from_sglang(config: dict, sglang_version: str = "0.5.13") -> Dr
         rope_theta=config["rope_theta"],
         max_position_embeddings=config["max_position_embeddings"],
         capture_layers=sglang_capture_layers(ids, sglang_version),
+        # SGLang reads fc_norm or its older name use_aux_norm; both engines read norm_output
+        fc_norm=bool(config.get("fc_norm") or config.get("use_aux_norm")),
+        norm_output=bool(config.get("norm_output")),
+        **extra,
     )
 
 
@@ -126,7 +144,7 @@ def load_draft(draft_dir: Path, device: str = "cpu", dtype=torch.float32) -> Eag
     """Load an SGLang draft folder (config.json + model.safetensors) into an Eagle3Draft."""
     draft_dir = Path(draft_dir)
     cfg = draft_config_from_sglang(json.loads((draft_dir / "config.json").read_text()))
-    draft = Eagle3Draft(cfg)
+    draft = build_draft_model(cfg)
     state = load_file(str(draft_dir / "model.safetensors"))
     draft.load_state_dict(state, strict=True)
     return draft.to(device=device, dtype=dtype).eval()

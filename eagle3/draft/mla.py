@@ -125,10 +125,11 @@ def build_draft_model(cfg: DraftConfig) -> Eagle3Draft:
     return Eagle3MLADraft(cfg) if cfg.arch == "mla" else Eagle3Draft(cfg)
 
 
-def mla_draft_config(base: DraftConfig, dims: dict) -> DraftConfig:
+def mla_draft_config(base: DraftConfig, dims: dict, heads: int = 0) -> DraftConfig:
     """`base` (the Llama-style sizes 04 derives) turned into the MLA draft of `dims`
-    (`read_mla_dims`): heads from the target, head_dim = nope + rope for the record."""
+    (`read_mla_dims`): `heads` (0 = the target's), head_dim = nope + rope for the record."""
     fields = {**base.to_dict(), **{k: dims[k] for k in MLA_FIELDS}, "arch": "mla"}
-    fields["num_attention_heads"] = fields["num_key_value_heads"] = dims["num_attention_heads"]
+    fields["num_attention_heads"] = fields["num_key_value_heads"] = (
+        heads or dims["num_attention_heads"])
     fields["head_dim"] = dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]
     return DraftConfig(**fields)

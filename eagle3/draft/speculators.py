@@ -35,7 +35,11 @@ def speculators_name(name: str) -> str:
 
 def speculators_config(cfg: DraftConfig, verifier: str | None, steps: int,
                        verifier_architectures: list[str] | None = None) -> dict:
-    """config.json of a speculators Eagle-3 draft."""
+    """config.json of a speculators Eagle-3 draft (Llama layer only)."""
+    if cfg.arch != "llama":
+        raise ValueError(f"no speculators format for a {cfg.arch!r} draft: vLLM's speculators "
+                         "reader maps only Llama/Qwen3 layers (update_eagle3); vLLM serves the "
+                         "MLA draft's SGLang folder itself (eagle3/draft/mla_export.py)")
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -72,8 +76,8 @@ def speculators_config(cfg: DraftConfig, verifier: str | None, steps: int,
         "eagle_aux_hidden_state_layer_ids": list(cfg.capture_layers),
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": cfg.fc_norm,  # EAGLE-3.1: vLLM's update_eagle3 copies both switches
+        "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
         "torch_dtype": "bfloat16",
     }

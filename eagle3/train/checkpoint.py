@@ -26,7 +26,11 @@ MARKER = "COMPLETE"
 # Fields whose change makes a checkpoint unusable (the architecture and the data it indexes).
 ARCH_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "draft_vocab_size", "vocab_size", "target_hidden_size",
-               "capture_layers")
+               "capture_layers", "arch", "fc_norm", "norm_output", "q_lora_rank", "kv_lora_rank",
+               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# What a checkpoint written before a field existed had (the Llama draft without EAGLE-3.1).
+ARCH_DEFAULTS = {"arch": "llama", "fc_norm": False, "norm_output": False, "q_lora_rank": 0,
+                 "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0}
 
 
 class CheckpointError(RuntimeError):
@@ -103,8 +107,8 @@ def load_latest(root: Path, config: dict) -> dict | None:
         return None
     folder = Path(root) / f"step_{steps[-1]:06d}"
     saved = json.loads((folder / "config.json").read_text())
-    changed = {k: (saved.get(k), config.get(k)) for k in ARCH_FIELDS
-               if saved.get(k) != config.get(k)}
+    changed = {k: (saved.get(k, ARCH_DEFAULTS.get(k)), config.get(k)) for k in ARCH_FIELDS
+               if saved.get(k, ARCH_DEFAULTS.get(k)) != config.get(k)}
     if changed:
         raise CheckpointError(f"{folder} was trained with other architecture settings "
                               f"{changed} (saved, now): use the same flags or --force to restart")

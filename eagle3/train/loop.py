@@ -30,6 +30,7 @@ from eagle3.core.cli import UpstreamStageFlags, arg, config_dict
 from eagle3.train.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan, list_files,
                          make_loader, pack_epoch, row_width)
 from eagle3.train.distributed import DistInfo
+from eagle3.draft.mla import build_draft_model, mla_draft_config, read_mla_dims
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.train.log import MetricsLog, metrics_line
 from eagle3.train.teacher import TOPK_MODES
@@ -58,6 +59,11 @@ class TrainConfig(UpstreamStageFlags):
     num_key_value_heads: int = arg(0, "draft kv heads (0 = same as heads)")
     head_dim: int = arg(0, "draft head dim (0 = hidden / heads)")
     intermediate_size: int = arg(0, "draft MLP width (0 = the target's intermediate_size)")
+    draft_arch: str = arg("llama", "draft attention: llama (GQA, LlamaForCausalLMEagle3) or mla "
+                                   "(the target's multi-latent attention sizes, "
+                                   "Eagle3DeepseekV2ForCausalLM)", choices=["llama", "mla"])
+    fc_norm: bool = arg(False, "EAGLE-3.1: RMSNorm each aux state before fc")
+    norm_output: bool = arg(False, "EAGLE-3.1: the next draft step reads the normed output")
     eval_every: int = arg(100, "evaluate the eval split every N steps (and at the end)")
     max_eval_samples: int = arg(256, "eval samples per evaluation")
     save_every: int = arg(500, "checkpoint every N steps (and at the end)")
@@ -105,7 +111,7 @@ def lr_at(step: int, num_steps: int, peak: float, warmup: int, min_ratio: float)
 
 def build_draft_config(cfg: TrainConfig, info, draft_vocab: int, capture_layers) -> DraftConfig:
     heads = cfg.num_attention_heads or info.num_attention_heads
-    return DraftConfig(
+    base = DraftConfig(
         hidden_size=info.hidden_size,  # serving reuses the target's embedding: same width
         num_attention_heads=heads,
         num_key_value_heads=cfg.num_key_value_heads or heads,
@@ -118,12 +124,17 @@ def build_draft_config(cfg: TrainConfig, info, draft_vocab: int, capture_layers)
         rope_theta=info.rope_theta,
         max_position_embeddings=info.max_position_embeddings,
         capture_layers=list(capture_layers),
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
     )
+    # the MLA draft takes the target's own MLA sizes (Kimi-K2.5: kv 512, q 1536, rope 64, 64 heads)
+    return base if cfg.draft_arch != "mla" else mla_draft_config(
+        base, read_mla_dims(cfg.target), cfg.num_attention_heads)
 
 
 def build_draft(dcfg: DraftConfig, seed: int, d2t, t2d) -> Eagle3Draft:
     torch.manual_seed(seed)
-    draft = Eagle3Draft(dcfg)
+    draft = build_draft_model(dcfg)
     for p in draft.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
