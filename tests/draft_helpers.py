@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.draft.model import FLEX_BLOCK
+from eagle3.draft.mla import Eagle3MLADraft
+from eagle3.draft.model import FLEX_BLOCK, DraftConfig, Eagle3Draft
+
+# A small MLA draft; the MLA sizes are deliberately unequal, so a mixed-up split fails.
+H, HEADS, INTER, VT, VD = 32, 4, 48, 60, 24
+QL, KVL, NOPE, ROPE, V = 20, 12, 8, 6, 10
 
 
 def packed_row(seqs: list[list[int]], width: int):
@@ -37,3 +42,32 @@ def masked_math_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False):
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def _randomise(draft, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.dim() == 1 else 0.3 * torch.randn_like(p))
+        draft.d2t.copy_(torch.randint(0, VT - VD, (VD,)))
+    return draft
+
+
+def mla_draft(seed: int = 0, fc_norm: bool = False, norm_output: bool = False) -> Eagle3MLADraft:
+    """The small MLA draft with random weights (norm weights near 1) and a random d2t."""
+    cfg = DraftConfig(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                      head_dim=NOPE + ROPE, intermediate_size=INTER, vocab_size=VT,
+                      draft_vocab_size=VD, target_hidden_size=H, rope_theta=500.0,
+                      capture_layers=[2, 4, 5], fc_norm=fc_norm, norm_output=norm_output,
+                      arch="mla", q_lora_rank=QL, kv_lora_rank=KVL, qk_nope_head_dim=NOPE,
+                      qk_rope_head_dim=ROPE, v_head_dim=V)
+    return _randomise(Eagle3MLADraft(cfg), seed)
+
+
+def llama_draft(seed: int = 0, fc_norm: bool = False, norm_output: bool = False) -> Eagle3Draft:
+    """A small Llama-style draft of the same widths, random weights."""
+    cfg = DraftConfig(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=INTER, vocab_size=VT, draft_vocab_size=VD,
+                      target_hidden_size=H, capture_layers=[2, 4, 5], fc_norm=fc_norm,
+                      norm_output=norm_output)
+    return _randomise(Eagle3Draft(cfg), seed)

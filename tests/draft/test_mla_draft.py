@@ -16,34 +16,14 @@ import math
 import pytest
 import torch
 
-from eagle3.draft.mla import Eagle3MLADraft, mla_draft_config, read_mla_dims
+from eagle3.draft.mla import mla_draft_config, read_mla_dims
 from eagle3.draft.model import FLEX_BLOCK, DraftConfig
 from eagle3.train.ttt import TTTModel
 
-from draft_helpers import masked_math_flex, packed_row
+from draft_helpers import (H, HEADS, KVL, NOPE, ROPE, V, VD, VT, masked_math_flex, mla_draft,
+                           packed_row)
 
-H, HEADS, INTER, VT, VD, K = 32, 4, 48, 60, 24, 4
-QL, KVL, NOPE, ROPE, V = 20, 12, 8, 6, 10  # deliberately unequal, so a mixed-up split fails
-
-
-def mla_cfg(fc_norm: bool = False, norm_output: bool = False) -> DraftConfig:
-    return DraftConfig(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                       head_dim=NOPE + ROPE, intermediate_size=INTER, vocab_size=VT,
-                       draft_vocab_size=VD, target_hidden_size=H, rope_theta=500.0,
-                       capture_layers=[2, 4, 5], fc_norm=fc_norm, norm_output=norm_output,
-                       arch="mla", q_lora_rank=QL, kv_lora_rank=KVL, qk_nope_head_dim=NOPE,
-                       qk_rope_head_dim=ROPE, v_head_dim=V)
-
-
-def mla_draft(seed: int = 0, **options) -> Eagle3MLADraft:
-    torch.manual_seed(seed)
-    draft = Eagle3MLADraft(mla_cfg(**options))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if p.dim() == 1 else 0.3 * torch.randn_like(p))
-        draft.d2t.copy_(torch.randint(0, VT - VD, (VD,)))
-    return draft
-
+K = 4
 
 class SGLangMLAReference:
     """kimi_k25_eagle3.py's draft, float64, token by token, absorbed MLA with a latent cache."""
