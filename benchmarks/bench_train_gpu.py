@@ -11,6 +11,9 @@ read by worker processes), and the DDP scaling on 2 GPUs (spawned through torchr
 Configurations (each runs on its own; a failure is recorded and the next one runs):
   flex          flex-attention kernel compiled, the rest eager (the trainer's --no-compile)
   flex+compile  the whole TTT forward under torch.compile (the trainer's default on CUDA)
+  mla           `flex` with the MLA draft (04 --draft-arch mla) at Kimi-K2.5's own MLA sizes:
+                kv_lora_rank 512, q_lora_rank 1536, rope 64, nope 128, v 128, 64 heads
+  mla+compile   `flex+compile` with the MLA draft
   loader        the faster of the two, fed by the real loader from files (data-wait share)
   ddp2          the faster of the two on 2 GPUs (torchrun --nproc-per-node 2)
   curve         not in the default list: the loss of --curve-steps compiled steps on 4 fixed
@@ -44,7 +47,8 @@ import torch
 from eagle3.train import distributed
 from eagle3.core import hidden_states as hs
 from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.mla import build_draft_model
+from eagle3.draft.model import DraftConfig
 from eagle3.train.flops import micro_step_flops
 from eagle3.core.stage import atomic_torch_save
 from eagle3.train.ttt import TTTModel
@@ -58,6 +62,11 @@ KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, he
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
             intermediate_size=128, vocab_size=554, draft_vocab_size=256, target_hidden_size=64,
             capture_layers=[2, 4, 5])
+# The MLA draft's attention sizes (the rest as above), Kimi-K2.5's config.json / toy.
+KIMI_MLA = dict(arch="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128, head_dim=192)
+TINY_MLA = dict(arch="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16, head_dim=24)
 
 
 def parse_args(argv=None):
@@ -69,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--steps", type=int, default=12, help="timed optimizer steps per config")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first (compile)")
-    p.add_argument("--configs", nargs="+", default=["flex", "loader", "ddp2", "flex+compile"],
+    p.add_argument("--configs", nargs="+",
+                   default=["flex", "mla", "loader", "ddp2", "flex+compile", "mla+compile"],
                    help="run in this order; the loader and ddp2 rows use the fastest config "
                         "timed before them")
     p.add_argument("--budget-s", type=float, default=540,
@@ -88,12 +98,13 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- setup
 
 
-def build(args, device: torch.device, compile_forward: bool):
+def build(args, device: torch.device, compile_forward: bool, arch: str = "llama"):
     """(model, optimizer, forward) at the benchmark dimensions, synthetic weights."""
-    cfg = DraftConfig(**(TINY if args.tiny else KIMI))
+    mla = (TINY_MLA if args.tiny else KIMI_MLA) if arch == "mla" else {}
+    cfg = DraftConfig(**{**(TINY if args.tiny else KIMI), **mla})
     torch.manual_seed(0)
     with torch.device(device):
-        draft = Eagle3Draft(cfg)
+        draft = build_draft_model(cfg)
         for p in draft.parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
@@ -137,11 +148,11 @@ def write_files(cfg: DraftConfig, seq: int, n: int, root: Path) -> list[Path]:
 
 
 def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
-        dist_info: distributed.DistInfo | None = None) -> dict:
+        dist_info: distributed.DistInfo | None = None, arch: str = "llama") -> dict:
     """Time `args.steps` optimizer steps (after `args.warmup`); one micro-step per step."""
     dist_info = dist_info or distributed.DistInfo()
     cuda = device.type == "cuda"
-    model, optimizer, cfg = build(args, device, compile_forward)
+    model, optimizer, cfg = build(args, device, compile_forward, arch)
     ddp = distributed.wrap(model, dist_info, device)
     forward = torch.compile(ddp) if compile_forward else ddp
     total = args.warmup + args.steps
@@ -202,7 +213,8 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
            "tokens_per_s_per_gpu": args.seq * args.steps / seconds,
            "train_flops_per_step": flops,
            "mfu_vs_989T": flops * args.steps / seconds / H200_BF16_PEAK,
-           "final_loss": float(state["loss"]), "attention": model.attention}
+           "final_loss": float(state["loss"]), "attention": model.attention, "arch": arch,
+           "draft_params": sum(p.numel() for p in model.draft.parameters())}
     if use_loader:
         out["data_wait_share"] = (feed.wait_s - wait0) / seconds
     if events:
@@ -406,6 +418,10 @@ def run_config(args, name: str, device: torch.device, results: dict) -> dict:
         return attempt(lambda: run(args, device, name == "flex+compile", False), name)
     if name == "curve":
         return attempt(lambda: loss_curve(args, device), name)
+    if name in ("mla", "mla+compile"):
+        if name == "mla+compile" and not cuda:
+            return {"skipped": "torch.compile rows run on CUDA only"}
+        return attempt(lambda: run(args, device, name == "mla+compile", False, arch="mla"), name)
     if name == "loader":
         out = attempt(lambda: run(args, device, best == "flex+compile", True), name)
         return {"config": best, **out}
@@ -440,7 +456,8 @@ def report(results: dict) -> str:
                ("mfu_vs_989T", "MFU", "{:.1%}"), ("peak_memory_gib", "peak GiB", "{:.1f}"),
                ("optimizer_share", "optim", "{:.1%}"), ("data_wait_share", "data-wait", "{:.1%}"),
                ("host_syncs_per_step", "syncs", "{}"),
-               ("scaling_efficiency", "DDP eff.", "{:.2f}")]
+               ("scaling_efficiency", "DDP eff.", "{:.2f}"),
+               ("draft_params", "params", "{:,}")]
     lines.append(f"{'config':<14}" + "".join(f"{title:>11}" for _, title, _ in columns))
     for name, r in results["configs"].items():
         if "tokens_per_s_per_gpu" not in r:

@@ -6,7 +6,9 @@ batch-1 decoding of this target leaves the GPU mostly idle), submitted in priori
 final draft (bf16 states, chains of 3 and 7), the controls, 05 at temperature 1 and the
 per-epoch checkpoints. Meanwhile this process trains the fp8-state, compact-layout (fp8-all,
 top-k renormalised, top-k with the tail bucket) and data-size drafts (04) and submits each
-one's evaluation when it is trained. What no longer fits the time budget is not
+one's evaluation when it is trained; the MLA draft (04 --draft-arch mla) trains on the main
+run's states, so it is set against the Llama draft on the same data and prompts. What no longer
+fits the time budget is not
 started and is listed in the summary; running the phase again does it (finished work is kept).
 """
 
@@ -178,6 +180,11 @@ def run_phase3(phases) -> None:
             draft = phases.root / name / STAGE_DIRS["04"] / "final"
             if draft.is_dir():
                 ph.evaluate(f"eval {name}", EvalSpec(name, draft, [3, 7], **sweep))
+        # The MLA draft (04 --draft-arch mla) on the same states as the main (Llama) draft.
+        phases.task("train mla", phases.train_mla, phases.mla_estimate())
+        mla_draft = phases.root / "mla" / STAGE_DIRS["04"] / "final"
+        if mla_draft.is_dir():
+            ph.evaluate("eval mla", EvalSpec("mla", mla_draft, [3, 7], **sweep))
         for n in phases.size_counts():
             phases.task(f"train size {n}", lambda n=n: phases.train_size(n),
                         phases.size_estimate(n))

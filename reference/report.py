@@ -10,6 +10,7 @@ the 05 results, the sweep results), so the report can be rebuilt at any time:
 from __future__ import annotations
 
 import json
+import math
 import platform
 import sys
 from pathlib import Path
@@ -127,6 +128,8 @@ def collect(workdir: Path, profile: str) -> dict:
                       for t in ("t0", "t1")},
             "sweeps": sweeps, "baselines": baselines, "controls": _read(res / "controls.json"),
             "epoch_metrics": _epoch_metrics(w / "main" / STAGE_DIRS["04"] / "metrics.jsonl"),
+            "draft_params": {k: draft_params(w / k / STAGE_DIRS["04"] / "final")
+                             for k in ("main", "mla")},
             "state": _read(res / "state.json")}
 
 
@@ -276,6 +279,33 @@ def _layout_bytes_md(s: dict) -> list[str]:
             + " bytes/token.", ""]
 
 
+def _arch_md(s: dict) -> list[str]:
+    """Llama-style vs MLA draft, same states and prompts: acceptance, size, training speed."""
+    lines = ["| draft | acceptance @3 | acceptance @7 | loop share @3 | parameters | "
+             "04 train tok/s |", "|---|---|---|---|---|---|"]
+    for label, key, stage in (("Llama-style (main)", "main", "04 main"), ("MLA", "mla", "04 mla")):
+        steps = (s["sweeps"].get(key) or {}).get("steps") or {}
+        out = ((s["stages"].get(stage) or {}).get("manifest") or {}).get("outputs") or {}
+        params = (s.get("draft_params") or {}).get(key)
+        lines.append(f"| {label} | {_f((steps.get('3') or {}).get('acceptance_length'))} | "
+                     f"{_f((steps.get('7') or {}).get('acceptance_length'))} | "
+                     f"{_f(((steps.get('3') or {}).get('loop') or {}).get('share'))} | "
+                     f"{f'{params:,}' if params else '–'} | {_f(out.get('tok_s'), '{:,.0f}')} |")
+    return lines + [""]
+
+
+def draft_params(folder: Path) -> int | None:
+    """Parameters of an exported draft (every floating tensor of model.safetensors)."""
+    from safetensors import safe_open
+
+    path = Path(folder) / "model.safetensors"
+    if not path.exists():
+        return None
+    with safe_open(str(path), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()
+                   if f.get_slice(k).get_dtype() not in ("I64", "BOOL"))
+
+
 def _controls_md(s: dict) -> list[str]:
     c = s.get("controls") or {}
     lines = ["| control | acceptance length @3 | same prompts, correct draft | collapsed | "
@@ -325,6 +355,7 @@ def markdown(s: dict) -> str:
            "04's own per-epoch evaluation (simulated acceptance): "
            + ", ".join(f"step {m['step']}: {m['eval_sim_accept']:.2f}"
                        for m in s.get("epoch_metrics") or []), "",
+           "### Llama-style vs MLA draft (same states, same prompts)", "", *_arch_md(s),
            "### Controls (meant to collapse; must be detected)", "", *_controls_md(s)]
     state = s.get("state") or {}
     notes = list(state.get("notes") or []) + [state[k] for k in ("eval_dtype_note",) if k in state]

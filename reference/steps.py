@@ -277,6 +277,19 @@ class PhaseSteps:
     def train_fp8(self) -> None:
         self.train_layout("fp8")
 
+    def mla_workdir(self) -> Path:
+        """The MLA draft's run: the main run's merged data, hidden states and vocabulary."""
+        return linked_workdir(self.root / "mla", {
+            STAGE_DIRS[k]: self.main / STAGE_DIRS[k] for k in ("merge", "02b", "03")})
+
+    def train_mla(self) -> None:
+        """04 --draft-arch mla on the main run's states (the same ones the Llama draft read)."""
+        w = self.mla_workdir()
+        self.runner.run("04 mla", "04", w, [*self.train_args(w), "--draft-arch", "mla"])
+
+    def mla_estimate(self) -> float:
+        return 1.3 * self._wall("04 main") + 30
+
     def train_size(self, n: int) -> None:
         self.extract_size(n)
         w = self.size_workdir(n)

@@ -31,6 +31,13 @@ class StepFlops:
 
 def layer_gemm_flops_per_row(cfg: DraftConfig) -> int:
     H, inter = cfg.hidden_size, cfg.intermediate_size
+    if cfg.arch == "mla":  # q_a, kv_a over 2H; q_b, kv_b from the latents; o_proj (mla.py)
+        h, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        attn = (2 * H * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                + cfg.q_lora_rank * h * qk
+                + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+                + h * cfg.v_head_dim * H)
+        return 2 * (attn + 3 * H * inter + H * cfg.draft_vocab_size)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return 2 * (2 * H * (q + 2 * kv) + q * H + 3 * H * inter + H * cfg.draft_vocab_size)
 
@@ -42,7 +49,10 @@ def micro_step_flops(cfg: DraftConfig, rows: int, seq_lengths: list[int], steps:
     `dense_attention` counts the full `rows x rows` score matrix per step instead (what the
     naive implementation multiplies; used to check this count against a FLOP counter).
     """
-    pair = 4 * cfg.num_attention_heads * cfg.head_dim
+    pair = 4 * cfg.num_attention_heads * cfg.head_dim  # QK^T and PV: 2 x 2 h d per pair
+    if cfg.arch == "mla":  # QK^T over nope + rope, PV over v
+        pair = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                              + cfg.v_head_dim)
     if dense_attention:
         attention = steps * pair * rows * rows
     else:

@@ -185,3 +185,20 @@ def test_mla_draft_is_sized_from_the_target_when_it_uses_mla(tmp_path):
                                                       "num_attention_heads": 2}))
     with pytest.raises(MLAConfigError, match="--draft-arch llama"):
         read_mla_dims(tmp_path)
+
+
+def test_mla_flop_count_matches_torch_flop_counter_when_attention_is_dense():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from eagle3.train.flops import micro_step_flops
+
+    draft = mla_draft(6)
+    model = TTTModel(draft, torch.randn(VT, H), torch.randn(VD, H), steps=3, step_weight=0.8)
+    T = 20
+    ids, mask = torch.randint(0, VT, (1, T)), torch.ones(1, T, dtype=torch.long)
+    doc, pos = torch.zeros(1, T, dtype=torch.int32), torch.arange(T)[None]
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = model(ids, mask, doc, pos, torch.randn(1, T, 3 * H), torch.randn(1, T, H))
+        loss.backward()
+    assert counter.get_total_flops() == micro_step_flops(draft.cfg, T, [T], 3,
+                                                         dense_attention=True).train
