@@ -43,6 +43,7 @@ def vllm_mla_target(out: Path) -> Path:
     config = AutoConfig.from_pretrained(out)
     for k, v in VLLM_FIELDS.items():
         setattr(config, k, v)
+    config.head_dim = config.qk_rope_head_dim  # derived in DeepseekV3Config.__init__: RoPE width
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(config)
     with torch.no_grad():
@@ -71,7 +72,7 @@ def _serve(target: Path, draft: Path, steps: int, port: int, log: Path):
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
            "--speculative-config", json.dumps(spec), "--max-num-seqs", "1"]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 400
+    deadline = time.time() + 900  # 35-60 s on an idle machine
     while time.time() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"vLLM exited {proc.returncode}:\n{log.read_text()[-4000:]}")
@@ -115,7 +116,8 @@ def test_vllm_serves_the_mla_draft_with_target_greedy_output_and_trained_layers(
     try:
         served = [_post("http://127.0.0.1:18731/v1/completions",
                         {"model": str(target), "prompt": p, "max_tokens": 24,
-                         "temperature": 0.0, "return_token_ids": True})["choices"][0]
+                         "temperature": 0.0, "return_token_ids": True,
+                         "ignore_eos": True})["choices"][0]
                   for p in prompts]
         metrics = _get("http://127.0.0.1:18731/metrics").decode()
     finally:
