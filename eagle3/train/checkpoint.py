@@ -107,8 +107,8 @@ def load_latest(root: Path, config: dict) -> dict | None:
         return None
     folder = Path(root) / f"step_{steps[-1]:06d}"
     saved = json.loads((folder / "config.json").read_text())
-    changed = {k: (saved.get(k, ARCH_DEFAULTS.get(k)), config.get(k)) for k in ARCH_FIELDS
-               if saved.get(k, ARCH_DEFAULTS.get(k)) != config.get(k)}
+    then, now = ({k: c.get(k, ARCH_DEFAULTS.get(k)) for k in ARCH_FIELDS} for c in (saved, config))
+    changed = {k: (then[k], now[k]) for k in ARCH_FIELDS if then[k] != now[k]}
     if changed:
         raise CheckpointError(f"{folder} was trained with other architecture settings "
                               f"{changed} (saved, now): use the same flags or --force to restart")

@@ -72,3 +72,11 @@ def test_resume_refused_when_the_global_batch_or_seed_changed():
 def test_clean_state_dict_strips_nested_wrapper_prefixes():
     out = clean_state_dict({"module._orig_mod.norm.weight": 1, "fc.weight": 2})
     assert out == {"norm.weight": 1, "fc.weight": 2}
+
+
+
+def test_resume_refused_when_the_draft_arch_changed(tmp_path):
+    save_checkpoint(tmp_path, 3, _state(3), CONFIG, keep_latest=2)  # no arch key: the old default
+    assert load_latest(tmp_path, {**CONFIG, "arch": "llama"}) is not None
+    with pytest.raises(CheckpointError, match="arch"):
+        load_latest(tmp_path, {**CONFIG, "arch": "mla"})
