@@ -4,7 +4,8 @@ Its loader refuses unknown weight names and raises on parameters no checkpoint t
 (`DefaultModelLoader`: "Following weights were not initialized from checkpoint"), so a server that
 starts has loaded every tensor of the folder. Greedy speculative output must equal the target's
 own greedy output, the aux layers vLLM logs must be the trained captures, and its acceptance is
-set beside the offline evaluator's on the same prompts (eagle3.bench.evaluate, the same draft).
+set beside the offline evaluator's on the same prompts (eagle3.bench.evaluate, the same draft):
+the same number of verify rounds and accepted tokens.
 
 The target is the tiny DeepSeek-V3 in the shape vLLM's CPU MLA kernel serves (latent 576:
 kv_lora_rank 512 + qk_rope_head_dim 64; noaux_tc/sigmoid routing). Seam: `eagle3.tiny` gains
@@ -141,5 +142,7 @@ def test_vllm_serves_the_mla_draft_with_target_greedy_output_and_trained_layers(
     offline_accept = sum(offline) / len(offline)
     print(f"served acceptance {served_accept:.3f} ({drafts:.0f} drafts), offline "
           f"{offline_accept:.3f} ({len(offline)} rounds)")
-    assert drafts > 0
-    assert abs(served_accept - offline_accept) < 0.25
+    # the same verify rounds and accepted tokens as the offline evaluator (both greedy, the
+    # same draft: an untrained one accepts ~nothing, so this checks the counting, not quality)
+    assert drafts == len(offline) > 0
+    assert accepted == sum(a - 1 for a in offline)
