@@ -197,14 +197,16 @@ def subset_workdir(source: Path, workdir: Path, num_train: int) -> Path:
 
 def export_checkpoint(step_dir: Path, draft_config: dict, out_dir: Path) -> Path:
     """Export a 04 step checkpoint (`state.pt`) as an SGLang draft folder."""
-    from eagle3.draft.model import DraftConfig, Eagle3Draft
     from eagle3.draft.export import export_sglang
+    from eagle3.draft.mla import build_draft_model
+    from eagle3.draft.model import DraftConfig
 
     if (Path(out_dir) / "model.safetensors").exists():
         return Path(out_dir)
     # weights_only=False: our own checkpoint, holding RNG states (as eagle3.train.checkpoint loads it).
     state = torch.load(Path(step_dir) / "state.pt", map_location="cpu", weights_only=False)
     fields = DraftConfig.__dataclass_fields__
-    draft = Eagle3Draft(DraftConfig(**{k: v for k, v in draft_config.items() if k in fields}))
+    draft = build_draft_model(DraftConfig(**{k: v for k, v in draft_config.items()
+                                             if k in fields}))
     draft.load_state_dict(state["model"])
     return export_sglang(draft, out_dir)
