@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.bench.preflight import check_draft
-from eagle3.bench.preflight_mla import check_mla_against_target
+from eagle3.draft.check import check_draft
+from eagle3.draft.check_mla import check_mla_against_target
 from eagle3.draft.export import export_sglang, load_draft
 from eagle3.draft.model import Eagle3Draft
 from eagle3.draft.speculators import speculators_config

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from eagle3.bench.preflight import check_draft_for_run
+from eagle3.draft.check import check_draft_for_run
 from eagle3.draft.export import load_draft
 from eagle3.draft.mla import Eagle3MLADraft
 
