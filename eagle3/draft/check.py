@@ -5,6 +5,8 @@ milliseconds. SGLang loads weights by name and silently leaves any name it does 
 initialised, so every expected name and shape is checked, and which capture layers the config's
 `eagle_aux_hidden_state_layer_ids` name on each release (`eagle3/draft/layers.py`).
 `check_vocab_coverage`: the share of supervised eval tokens the draft vocabulary can propose.
+An MLA draft (`Eagle3DeepseekV2ForCausalLM`) is checked by its own rules too
+(`eagle3/draft/check_mla.py`).
 """
 
 from __future__ import annotations
