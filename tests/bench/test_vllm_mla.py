@@ -8,11 +8,12 @@ set beside the offline evaluator's on the same prompts (eagle3.bench.evaluate, t
 the same number of verify rounds and accepted tokens.
 
 The target is the tiny DeepSeek-V3 in the shape vLLM's CPU MLA kernel serves (latent 576:
-kv_lora_rank 512 + qk_rope_head_dim 64; noaux_tc/sigmoid routing). Seam: `eagle3.tiny` gains
-this variant on the vllm14 branch (`--arch deepseek_v3_vllm`); until then `vllm_mla_target`
-rebuilds the default tiny target's weights at those sizes.
+kv_lora_rank 512 + qk_rope_head_dim 64; noaux_tc/sigmoid routing). `vllm_mla_target` rebuilds
+the default tiny target's weights at those sizes; `eagle3.tiny` now has the same variant
+(`--arch deepseek_v3_vllm`), to which this helper can switch.
 
-Skipped without the vLLM venv (/opt/vllm-venv, PIPELINE.md "Dependencies").
+Skipped without a vLLM venv (the `vllm_python` fixture: `make install-vllm` or
+EAGLE3_VLLM_PYTHON, e.g. /opt/vllm-venv/bin/python).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 
-VLLM_PYTHON = Path("/opt/vllm-venv/bin/python")
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM venv at /opt/vllm-venv")
 VLLM_FIELDS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "topk_method": "noaux_tc",
                "scoring_func": "sigmoid"}
 
@@ -65,11 +64,11 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def _serve(target: Path, draft: Path, steps: int, port: int, log: Path):
+def _serve(python: str, target: Path, draft: Path, steps: int, port: int, log: Path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "OMP_NUM_THREADS": "2", "PYTHONPATH": ""}
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": steps}
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
            "--speculative-config", json.dumps(spec), "--max-num-seqs", "1"]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -91,7 +90,8 @@ def _metric(text: str, name: str) -> float:
                                                         re.M))
 
 
-def test_vllm_serves_the_mla_draft_with_target_greedy_output_and_trained_layers(tmp_path):
+def test_vllm_serves_the_mla_draft_with_target_greedy_output_and_trained_layers(tmp_path,
+                                                                               vllm_python):
     from transformers import AutoModelForCausalLM
 
     from eagle3.bench.evaluate import Eagle3Proposer, greedy_decode, speculative_decode
@@ -113,7 +113,7 @@ def test_vllm_serves_the_mla_draft_with_target_greedy_output_and_trained_layers(
     export_sglang(draft, tmp_path / "draft")
     steps, prompts = 3, [list(range(5, 25)), list(range(40, 52))]
     log = tmp_path / "vllm.log"
-    proc = _serve(target, tmp_path / "draft", steps, 18731, log)
+    proc = _serve(vllm_python, target, tmp_path / "draft", steps, 18731, log)
     try:
         served = [_post("http://127.0.0.1:18731/v1/completions",
                         {"model": str(target), "prompt": p, "max_tokens": 24,
