@@ -171,9 +171,9 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_batch_with_the_same_loss_curv
             assert x[1] == pytest.approx(y[1], rel=1e-6, abs=1e-9), x[0]
         assert x[2] == pytest.approx(y[2], abs=1e-9), x[0]
     ckpt = torch.load(sorted((crashed / "checkpoints").glob("step_*"))[-1] / "state.pt",
-                      weights_only=False)
+                      weights_only=True)
     final = torch.load(sorted((whole / "checkpoints").glob("step_*"))[-1] / "state.pt",
-                       weights_only=False)
+                       weights_only=True)
     for name, value in final["model"].items():
         torch.testing.assert_close(ckpt["model"][name], value, msg=name)
 
