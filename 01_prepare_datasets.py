@@ -27,6 +27,7 @@ from pathlib import Path
 from eagle3.core.cli import StageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.prepare.rows import RenderMismatch
 from eagle3.prepare.runner import RenderSettings, open_run, run_prepare
+from eagle3.core.target import TRUST_HELP, check_remote_code
 from eagle3.core.progress import format_summary, human_bytes, human_seconds
 from eagle3.prepare.recipes import RecipeError, load_recipe
 from eagle3.prepare.sources import SourceError, describe, open_source
@@ -40,6 +41,7 @@ class PrepareConfig(StageFlags):
     recipe: Path = arg(help="dataset recipe JSON (see datasets/)")
     target: Path = arg(help="target model folder: its tokenizer and chat template render "
                             "every sample (only the tokenizer files are read)")
+    trust_remote_code: bool = arg(False, TRUST_HELP)
     thinking: bool = arg(True, "render with thinking on, the served reasoning mode (must "
                                "match 01b's --thinking)")
     num_workers: int = arg(0, "worker processes (0 = one per CPU core, at most 64)")
@@ -49,6 +51,7 @@ class PrepareConfig(StageFlags):
     exact_render: bool = arg(False, "tokenize every record the exact, slow way")
 
     def __post_init__(self) -> None:
+        check_remote_code(self.target, self.trust_remote_code)
         if self.num_workers < 0:
             raise ValueError("--num-workers must be >= 0 (0 = one per CPU core)")
         if self.chunk_size < 1:
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     workers = cfg.num_workers or min(64, os.cpu_count() or 1)
     settings = RenderSettings(cfg.target, {"thinking": cfg.thinking}, None, cfg.verify_every,
-                              cfg.exact_render)
+                              cfg.exact_render, cfg.trust_remote_code)
     stage.add_input(cfg.recipe)
     runs, outputs = [], {}
     for spec in recipe.datasets:

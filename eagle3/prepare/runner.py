@@ -55,6 +55,7 @@ class RenderSettings:
     end_of_turn: str | None = None
     verify_every: int = 100
     exact: bool = False
+    trust_remote_code: bool = False  # --trust-remote-code: the tokenizer may be the folder's code
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps([self.template_kwargs, self.end_of_turn, self.exact],
@@ -69,7 +70,8 @@ class RenderSettings:
 def build_context(settings: RenderSettings, tokenizer=None) -> RowContext:
     from eagle3.core.target import load_tokenizer
 
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.target)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.target,
+                                                                      settings.trust_remote_code)
     renderer = ChatRenderer(tokenizer, settings.template_kwargs, settings.end_of_turn)
     return RowContext(renderer, settings.verify_every, settings.exact)
 
