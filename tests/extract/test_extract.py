@@ -156,4 +156,7 @@ def test_tmp_files_are_not_taken_for_data_files(tmp_path):
     path = hs.file_path(root, 3)
     path.parent.mkdir(parents=True)
     path.with_name(".data_3.pt.1.2.tmp").write_bytes(b"x")
-    assert hs.remove_temp_files(root) == 1 and not list(path.parent.iterdir())
+    path.with_name("data_4.pt").write_bytes(b"kept")  # not a temp name
+    from eagle3.core.stage import sweep_temp_files
+
+    assert sweep_temp_files(root) == 1 and [p.name for p in path.parent.iterdir()] == ["data_4.pt"]
