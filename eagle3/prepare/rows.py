@@ -188,10 +188,24 @@ def _fit(conv: dict, limit: int, ctx: RowContext, out: Outcome) -> list[Sample]:
                                   f"{limit} (bound from its characters, before rendering), and "
                                   "no earlier assistant turn ends a shorter conversation that "
                                   "fits")
-            conv["messages"] = messages[: ends[-1] + 1]
-            out.conv_line = json_line(conv)
-            out.truncated = True
-            return _fit(conv, limit, ctx, out)
+            return _fit(_cut(conv, ends[-1], out), limit, ctx, out)
+    # One render of the text and one encode (linear in its length) before `samples`, whose
+    # per-turn rendering grows with turns x length (a 400-turn conversation: 0.2 s vs 24 s).
+    if _text_tokens(messages, tools, ctx) > limit:
+        ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        lo, hi = 0, len(ends)  # ends[:lo] fit; binary search on the prefix length
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _text_tokens(messages[: ends[mid] + 1], tools, ctx) <= limit:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            raise RecordError(f"too long: {_text_tokens(messages, tools, ctx)} tokens > "
+                              f"max_seq_len {limit}, and no earlier assistant turn ends a "
+                              "shorter conversation that fits")
+        conv = _cut(conv, ends[lo - 1], out)
+        messages = conv["messages"]
     samples = ctx.renderer.samples(messages, tools, exact=ctx.exact)
     longest = max(len(s.input_ids) for s in samples)
     if longest <= limit:
@@ -208,6 +222,18 @@ def _fit(conv: dict, limit: int, ctx: RowContext, out: Outcome) -> list[Sample]:
             return samples
     raise RecordError(f"too long: {longest} tokens > max_seq_len {limit}, and no earlier "
                       "assistant turn ends a shorter conversation that fits")
+
+
+def _cut(conv: dict, end: int, out: Outcome) -> dict:
+    """The conversation through message `end`, recorded as the one written out."""
+    conv["messages"] = conv["messages"][: end + 1]
+    out.conv_line = json_line(conv)
+    out.truncated = True
+    return conv
+
+
+def _text_tokens(messages: list[dict], tools, ctx: RowContext) -> int:
+    return len(ctx.renderer.encode(ctx.renderer.render_text(messages, tools, False)))
 
 
 def _measure_prompt(conv: dict, spec: DatasetSpec, ctx: RowContext, out: Outcome):
