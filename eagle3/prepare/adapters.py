@@ -69,17 +69,14 @@ def _text(value: Any, where: str) -> str:
 
 def _role(value: Any, table: dict[str, str], where: str, fold_case: bool = False) -> str:
     """A role name looked up in `table`; anything but a known string is a RecordError."""
-    role = None
-    if isinstance(value, str):
-        role = table.get(value.lower() if fold_case else value)
+    role = table.get(value.lower() if fold_case else value) if isinstance(value, str) else None
     if role is None:
         raise RecordError(f"unknown role: {where}={_short(value)}")
     return role
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text := repr(value)) <= 60 else text[:57] + "..."
 
 
 def _str_or_none(value: Any, where: str) -> str | None:

@@ -103,7 +103,7 @@ def test_target_info_reads_a_multimodal_wrapper_and_rope_parameters(tmp_path):
 
 def test_load_tokenizer_runs_the_folder_code_when_the_tokenizer_is_custom(tiny_target_dir,
                                                                           tmp_path):
-    """Kimi-K2.5 ships its tokenizer as code (`auto_map`); with the flag it loads as the real one."""
+    """Kimi-K2.5 ships its tokenizer as code (`auto_map`); with the flag it loads as shipped."""
     from eagle3.core.target import load_tokenizer
 
     folder = code_shipping_target(tiny_target_dir, tmp_path / "custom")
