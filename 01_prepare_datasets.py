@@ -18,6 +18,7 @@ Real run:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -26,13 +27,15 @@ from pathlib import Path
 
 from eagle3.core.cli import StageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.prepare.rows import RenderMismatch
-from eagle3.prepare.runner import RenderSettings, open_run, run_prepare
+from eagle3.prepare.runner import RenderSettings, open_run, run_prepare, source_warnings
+from eagle3.core.target import TRUST_HELP, check_remote_code
 from eagle3.core.progress import format_summary, human_bytes, human_seconds
 from eagle3.prepare.recipes import RecipeError, load_recipe
 from eagle3.prepare.sources import SourceError, describe, open_source
 from eagle3.core.stage import STAGE_DIRS, open_stage
 
 STAGE = STAGE_DIRS["01"]
+log = logging.getLogger("01_prepare_datasets")
 
 
 @dataclass
@@ -40,6 +43,7 @@ class PrepareConfig(StageFlags):
     recipe: Path = arg(help="dataset recipe JSON (see datasets/)")
     target: Path = arg(help="target model folder: its tokenizer and chat template render "
                             "every sample (only the tokenizer files are read)")
+    trust_remote_code: bool = arg(False, TRUST_HELP)
     thinking: bool = arg(True, "render with thinking on, the served reasoning mode (must "
                                "match 01b's --thinking)")
     num_workers: int = arg(0, "worker processes (0 = one per CPU core, at most 64)")
@@ -47,12 +51,18 @@ class PrepareConfig(StageFlags):
     verify_every: int = arg(100, "re-check 1 in N kept records with the exact, slow "
                                  "tokenization; a difference stops the stage (0 = never)")
     exact_render: bool = arg(False, "tokenize every record the exact, slow way")
+    max_loss: float = arg(0.5, "warn (summary and manifest) when a dataset quarantines more "
+                               "than this share of the rows read, 0..1; one with no record "
+                               "always warns")
 
     def __post_init__(self) -> None:
+        check_remote_code(self.target, self.trust_remote_code)
         if self.num_workers < 0:
             raise ValueError("--num-workers must be >= 0 (0 = one per CPU core)")
         if self.chunk_size < 1:
             raise ValueError("--chunk-size must be >= 1")
+        if not 0 <= self.max_loss <= 1:
+            raise ValueError("--max-loss must be within 0..1 (a share of the rows read)")
         if self.verify_every < 0:
             raise ValueError("--verify-every must be >= 0 (0 = never)")
         if not (Path(self.target) / "tokenizer_config.json").is_file():
@@ -78,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     workers = cfg.num_workers or min(64, os.cpu_count() or 1)
     settings = RenderSettings(cfg.target, {"thinking": cfg.thinking}, None, cfg.verify_every,
-                              cfg.exact_render)
+                              cfg.exact_render, cfg.trust_remote_code)
     stage.add_input(cfg.recipe)
     runs, outputs = [], {}
     for spec in recipe.datasets:
@@ -95,12 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"01_prepare_datasets: {e}", file=sys.stderr)
         return 1
     datasets = {s.name: {**outputs[s.name], **_contract(s)} for s in recipe.datasets}
+    warnings = source_warnings(datasets, cfg.max_loss)
+    for w in warnings:
+        log.warning("%s", w)
     manifest = stage.finish(outputs={"datasets": datasets}, extra={
+        "warnings": warnings,
         "recipe": recipe.raw, "recipe_name": recipe.name,
         "render": {"target": str(cfg.target), "template_kwargs": settings.template_kwargs,
                    "fingerprint": settings.fingerprint()}})
     print(format_summary("01 prepare datasets", _summary_rows(
-        datasets, time.time() - t0, manifest["disk_bytes"], stage.dir)))
+        datasets, time.time() - t0, manifest["disk_bytes"], stage.dir, warnings)))
     return 0
 
 
@@ -112,16 +126,19 @@ def _contract(spec) -> dict:
             "tokenized": "tokenized.jsonl" if spec.mode == "keep" else None}
 
 
-def _summary_rows(datasets: dict, seconds: float, disk: int, out: Path) -> dict:
+def _summary_rows(datasets: dict, seconds: float, disk: int, out: Path,
+                  warnings: list[str]) -> dict:
     rows = {}
     for name, c in datasets.items():
         rows[name] = (f"{c['records']:,} rec ({c['mode']}), {c['samples']:,} samples, "
                       f"{c['tokens']:,} tok, {c['truncated']:,} cut to fit, "
                       f"quarantined {c['quarantined']:,}")
         reasons = sorted(c["quarantine_reasons"].items(), key=lambda kv: (-kv[1], kv[0]))
-        for k in range(0, len(reasons), 4):  # every reason, four a line
-            rows[f"  quarantine{'' if k else ':'}" + " " * (k // 4)] = ", ".join(
+        for k in range(0, len(reasons), 4):  # every reason, four a line, keyed by dataset
+            rows[f"  {name} quarantine" + (f" ({k // 4 + 1})" if k else "")] = ", ".join(
                 f"{kind} {n}" for kind, n in reasons[k: k + 4])
+    for k, w in enumerate(warnings):
+        rows[f"WARNING {k + 1}"] = w
     total_rows = sum(c["rows_read"] for c in datasets.values())
     total_tokens = sum(c["tokens"] for c in datasets.values())
     rows.update(records=sum(c["records"] for c in datasets.values()),

@@ -49,7 +49,7 @@ from eagle3.core.records import JsonlAppender, read_jsonl
 from eagle3.core.server import RetryPolicy, ServerError, ServerPool
 from eagle3.core.stage import (STAGE_DIRS, Quarantine, atomic_write_json, open_stage,
                                require_upstream)
-from eagle3.core.target import load_hf_model, load_tokenizer
+from eagle3.core.target import TRUST_HELP, check_remote_code, load_hf_model, load_tokenizer
 
 STAGE = STAGE_DIRS["01b"]
 UPSTREAM = STAGE_DIRS["01"]
@@ -58,6 +58,7 @@ UPSTREAM = STAGE_DIRS["01"]
 @dataclass
 class GenerateConfig(UpstreamStageFlags):
     target: Path = arg(help="target model folder (tokenizer + chat template; weights for hf)")
+    trust_remote_code: bool = arg(False, TRUST_HELP)
     backend: str = arg("hf", "who generates: sglang (native /generate, exact output ids), "
                              "openai (/v1/chat/completions, reply re-rendered), hf (in process)",
                        choices=["hf", "sglang", "openai"])
@@ -94,6 +95,7 @@ class GenerateConfig(UpstreamStageFlags):
     device: str = arg("cpu", "hf backend: torch device")
 
     def __post_init__(self) -> None:
+        check_remote_code(self.target, self.trust_remote_code)
         for name in ("max_new_tokens", "batch_size", "concurrency", "long_concurrency",
                      "long_context_threshold", "max_attempts"):
             if getattr(self, name) < 1:
@@ -110,7 +112,7 @@ def build_generator(cfg: GenerateConfig, renderer: ChatRenderer, tokenizer,
                     api_key: str | None):
     """The hf generator or a server backend, ready to use."""
     if cfg.backend == "hf":
-        model = load_hf_model(cfg.target, cfg.dtype, cfg.device)
+        model = load_hf_model(cfg.target, cfg.dtype, cfg.device, cfg.trust_remote_code)
         return HFGenerator(model, [renderer.end_of_turn_id], tokenizer.pad_token_id)
     pool = ServerPool(cfg.server_url, cfg.pool_policy)
     policy = RetryPolicy(base_delay_s=cfg.retry_delay_s, timeout_s=cfg.request_timeout_s)
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if stage is None:
         return 0
     t0 = time.time()
-    tokenizer = load_tokenizer(cfg.target)
+    tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
     renderer = ChatRenderer(tokenizer, template_kwargs={"thinking": cfg.thinking})
     datasets = upstream["outputs"]["datasets"] if upstream else {}
     generator = None

@@ -47,7 +47,8 @@ from eagle3.core.progress import format_summary
 from eagle3.core.records import read_jsonl
 from eagle3.extract.sglang_dump import DEFAULT_RID_PREFIX
 from eagle3.core.stage import STAGE_DIRS, open_stage, require_upstream
-from eagle3.core.target import default_capture_layers, load_hf_model, read_target_info
+from eagle3.core.target import (TRUST_HELP, check_remote_code, default_capture_layers,
+                                 load_hf_model, read_target_info)
 from eagle3.extract.teacher import load_teacher_head
 
 STAGE = STAGE_DIRS["02b"]
@@ -59,6 +60,7 @@ VOCAB = STAGE_DIRS["03"]  # the draft vocabulary of --dtype fp8-topk
 class ExtractConfig(UpstreamStageFlags):
     target: Path = arg(help="target model folder (config.json; weights for --backend hf and "
                             "--verify-against-hf)")
+    trust_remote_code: bool = arg(False, TRUST_HELP)
     backend: str = arg("sglang", "sglang: a patched SGLang dump server; hf: in-process "
                                  "transformers target", choices=["sglang", "hf"])
     capture_layers: list[int] = arg([], "capture indices (residual entering layer i); "
@@ -91,6 +93,8 @@ class ExtractConfig(UpstreamStageFlags):
     device: str = arg("cpu", "hf: torch device")
 
     def __post_init__(self):
+        if self.backend == "hf" or self.verify_against_hf:  # transformers loads the target
+            check_remote_code(self.target, self.trust_remote_code)
         if self.backend == "sglang" and self.dump_dir is None:
             raise ValueError("--backend sglang needs --dump-dir: the EAGLE3_DUMP_DIR the patched "
                              "server was started with")
@@ -148,13 +152,15 @@ def main(argv: list[str] | None = None) -> int:
              "dtype": cfg.dtype, "teacher_topk": cfg.topk,
              "bytes_per_token": bytes_per_token(info.hidden_size, cfg.dtype, cfg.topk)}
     if cfg.backend == "hf":
-        model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device)
+        model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device,
+                              cfg.trust_remote_code)
         outputs = extract_hf(model, writers, layers, cfg.dtype, cfg.max_batch_tokens,
                              cfg.max_batch_size, maybe_teacher(cfg, model))
     else:
         verify, teacher = None, maybe_teacher(cfg)
         if cfg.verify_against_hf:
-            model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device)
+            model = load_hf_model(cfg.target, cfg.model_dtype, cfg.device,
+                                  cfg.trust_remote_code)
             verify = make_verifier(model, layers, cfg.verify_tolerance, teacher)
         expected = Expected(info.hidden_size, tuple(layers), cfg.target)
         outputs, more = asyncio.run(extract_sglang(sglang_options(cfg), expected, cfg.dtype,

@@ -24,7 +24,7 @@ from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.core.records import count_jsonl
 from eagle3.core.stage import (STAGE_DIRS, atomic_save_safetensors, atomic_write_json, open_stage,
                                require_upstream)
-from eagle3.core.target import load_tokenizer, read_target_info
+from eagle3.core.target import TRUST_HELP, check_remote_code, load_tokenizer, read_target_info
 from eagle3.vocab.mapping import build_mapping, count_supervised, report, select_hot_ids
 
 STAGE = STAGE_DIRS["03"]
@@ -34,9 +34,11 @@ UPSTREAM = STAGE_DIRS["merge"]
 @dataclass
 class VocabConfig(UpstreamStageFlags):
     target: Path = arg(help="target model folder (config.json for the vocab size, tokenizer)")
+    trust_remote_code: bool = arg(False, TRUST_HELP)
     draft_vocab: int = arg(32000, "draft vocabulary size (ids)")
 
     def __post_init__(self) -> None:
+        check_remote_code(self.target, self.trust_remote_code)
         if self.draft_vocab < 1:
             raise ValueError("--draft-vocab must be >= 1")
 
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     hot = select_hot_ids(counts, cfg.draft_vocab)
     mapping = build_mapping(hot, info.vocab_size)
     atomic_save_safetensors(mapping, stage.dir / "vocab_mapping.safetensors")
-    rep = report(counts, hot, load_tokenizer(cfg.target))
+    rep = report(counts, hot, load_tokenizer(cfg.target, cfg.trust_remote_code))
     atomic_write_json(stage.dir / "report.json", rep)
     stage.finish(outputs={"draft_vocab": cfg.draft_vocab, "target_vocab": info.vocab_size,
                           "coverage": rep["coverage"]})

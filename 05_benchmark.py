@@ -52,7 +52,7 @@ from eagle3.core.records import JsonlAppender
 from eagle3.core.server import get_server_info
 from eagle3.core.stage import (STAGE_DIRS, atomic_write_bytes, atomic_write_json, open_stage,
                                require_upstream)
-from eagle3.core.target import load_tokenizer
+from eagle3.core.target import TRUST_HELP, check_remote_code, load_tokenizer
 
 STAGE = STAGE_DIRS["05"]
 SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
@@ -62,6 +62,7 @@ SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
 @dataclass
 class BenchmarkConfig(UpstreamStageFlags):
     target: Path | None = arg(None, "target model folder: tokenizer and config (weights for hf)")
+    trust_remote_code: bool = arg(False, TRUST_HELP)
     draft: Path | None = arg(None, "draft folder (default: <workdir>/04_train/final)")
     backend: str = arg("hf", "hf: offline in transformers; sglang, vllm: baseline vs "
                              "speculative servers", choices=["hf", "sglang", "vllm"])
@@ -94,6 +95,8 @@ class BenchmarkConfig(UpstreamStageFlags):
                                            "check without a server (default: both rules)")
 
     def __post_init__(self):
+        if self.target is not None:
+            check_remote_code(self.target, self.trust_remote_code)
         if self.backend == "hf" and self.target is None:
             raise ValueError("--backend hf needs --target (the transformers model folder)")
         attach = self.baseline_url is not None or self.spec_url is not None
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     if stage is None:
         return 0
     t0 = time.time()
-    renderer = ChatRenderer(load_tokenizer(cfg.target)) if cfg.target else None
+    renderer = (ChatRenderer(load_tokenizer(cfg.target, cfg.trust_remote_code)) if cfg.target
+                else None)
     sets = [load_prompt_set(s, cfg.workdir, renderer, cfg.num_prompts) for s in cfg.prompt_sets]
     if EVAL_SET in cfg.prompt_sets:
         stage.add_input(cfg.workdir / STAGE_DIRS["merge"] / "eval.jsonl")
@@ -203,7 +207,7 @@ def run_hf(cfg, draft_dir: Path, sets, stage_dir: Path, renderer) -> dict:
     from eagle3.core.target import load_embedding, load_hf_model
 
     dtype = getattr(torch, cfg.dtype)
-    model = load_hf_model(cfg.target, cfg.dtype, cfg.device)
+    model = load_hf_model(cfg.target, cfg.dtype, cfg.device, cfg.trust_remote_code)
     draft = load_draft(draft_dir, cfg.device, dtype)
     embed = load_embedding(cfg.target).to(cfg.device, dtype)
     eos = {renderer.end_of_turn_id}

@@ -72,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     if stage is None:
         return 0
     t0 = time.time()
-    for stale in stage.dir.glob(".*.tmp"):  # temp files of a killed run
-        stale.unlink()
     files = {p.parent.name: p for p in sorted((cfg.workdir / UPSTREAM).glob("*/tokenized.jsonl"))}
     for path in files.values():
         stage.add_input(path)

@@ -203,8 +203,9 @@ def export_checkpoint(step_dir: Path, draft_config: dict, out_dir: Path) -> Path
 
     if (Path(out_dir) / "model.safetensors").exists():
         return Path(out_dir)
-    # weights_only=False: our own checkpoint, holding RNG states (as eagle3.train.checkpoint loads it).
-    state = torch.load(Path(step_dir) / "state.pt", map_location="cpu", weights_only=False)
+    from eagle3.train.checkpoint import load_state
+
+    state = load_state(Path(step_dir) / "state.pt")  # weights_only=True, as 04 resumes
     fields = DraftConfig.__dataclass_fields__
     draft = build_draft_model(DraftConfig(**{k: v for k, v in draft_config.items()
                                              if k in fields}))

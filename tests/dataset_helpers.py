@@ -142,3 +142,20 @@ def build_metaspace_tokenizer():
         additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("[BOS]", "[PAD]")])
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def code_shipping_target(tiny_target_dir, folder):
+    """The tiny target with its tokenizer shipped as code (`auto_map`), as Kimi-K2.5's is."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_target_dir, folder)
+    (folder / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "CustomTokenizer"
+    cfg["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}
+    cfg_path.write_text(json.dumps(cfg))
+    return folder

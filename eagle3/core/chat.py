@@ -28,6 +28,7 @@ checks the fast rule against the exact one; the stage also re-checks a sample of
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import defaultdict
@@ -82,18 +83,26 @@ class ChatRenderer:
         specials = sorted(self._anchors.special, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
-    def special_text_in(self, messages: list[dict]) -> str | None:
-        """Where a message's text holds a special token's string (serving would tokenize it
-        as that token, e.g. a fake end of turn), else None."""
+    def special_text_in(self, messages: list[dict], tools: list | None = None) -> str | None:
+        """Where text that reaches the template holds a special token's string (serving would
+        tokenize it as that token, e.g. a fake end of turn), else None: message text, reasoning,
+        names, tool calls (names and arguments) and tool declarations (every string in them)."""
         if self._special_re is None:
             return None
         for i, m in enumerate(messages):
-            texts = [("content", m.get("content")), ("reasoning", m.get("reasoning_content"))]
-            texts += [("tool call arguments", tc["function"]["arguments"])
-                      for tc in m.get("tool_calls") or []]
+            texts = [("content", m.get("content")), ("reasoning", m.get("reasoning_content")),
+                     ("name", m.get("name")), ("tool_call_id", m.get("tool_call_id"))]
+            for tc in m.get("tool_calls") or []:
+                texts += [("tool call name", tc["function"]["name"]),
+                          ("tool call arguments", tc["function"]["arguments"])]
             for where, text in texts:
                 if isinstance(text, str) and (hit := self._special_re.search(text)):
                     return f"message {i} {where} holds {hit.group()!r}"
+        for k, tool in enumerate(tools or []):
+            # The declaration as JSON: every name, description and schema string it holds.
+            text = json.dumps(tool, ensure_ascii=False)
+            if hit := self._special_re.search(text):
+                return f"tool {k} declaration holds {hit.group()!r}"
         return None
 
     # ------------------------------------------------------------ rendering primitives

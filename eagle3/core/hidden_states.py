@@ -197,20 +197,13 @@ def save(data: dict, path: Path) -> int:
     """Write a file atomically and durably (temp file, fsync, rename); returns its size.
 
     torch.save goes straight to the temp file (no in-memory copy of a file that can reach
-    470 MB); a killed writer leaves only a `.data_*.tmp` file, which resume deletes.
+    470 MB); a killed writer leaves only a `.data_*.tmp` file, which the stage sweeps
+    (`eagle3.core.stage.sweep_temp_files`).
     """
     with atomic_writer(path) as f:
         torch.save(data, f)
         size = f.tell()
     return size
-
-
-def remove_temp_files(root: Path) -> int:
-    """Delete temp files a killed writer left in the shards of `root`; returns how many."""
-    stale = list(Path(root).glob("shard_*/.data_*.tmp"))
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return len(stale)
 
 
 def validate(data: dict, expected_hidden: int, path: Path | str = "<memory>") -> None:

@@ -3,6 +3,13 @@
 Every stage writes into `<workdir>/<stage folder>/` and ends by writing `manifest.json` with
 `"complete": true`. A stage refuses an upstream folder without a complete manifest unless told
 `--allow-partial`; a complete stage re-run is a no-op unless `--force`.
+
+Temp files: every writer of a stage's outputs writes through a hidden temp name in the same
+folder, `.NAME.*.tmp` (`atomic_writer`, `hidden_states.save`) or a `.tmp_*` folder (04's
+checkpoints), then renames. A kill can leave such a temp behind; `sweep_temp_files` removes
+them, and every stage runs it on its folder when it opens (`open_stage`) and again when it
+completes (`Stage.finish`), so a killed and resumed stage holds exactly what an uninterrupted
+one does.
 """
 
 from __future__ import annotations
@@ -101,6 +108,31 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
 
 
+def is_temp_name(name: str) -> bool:
+    """A name only the atomic writers use: `.NAME.*.tmp` files, `.tmp_*` folders."""
+    return name.startswith(".") and (name.endswith(".tmp") or name.startswith(".tmp_"))
+
+
+def sweep_temp_files(root: Path) -> int:
+    """Delete every temp file or folder a killed writer left under `root`; returns how many.
+
+    Call it only while no writer of `root` runs (a stage's start and end)."""
+    root = Path(root)
+    removed = 0
+    for folder, dirs, files in os.walk(root):
+        for name in [d for d in dirs if is_temp_name(d)]:
+            shutil.rmtree(Path(folder) / name, ignore_errors=True)
+            dirs.remove(name)
+            removed += 1
+        for name in files:
+            if is_temp_name(name):
+                (Path(folder) / name).unlink(missing_ok=True)
+                removed += 1
+    if removed:
+        log.info("%s: removed %d temp files left by a killed run", root, removed)
+    return removed
+
+
 # ---------------------------------------------------------------- hashing and inputs
 
 
@@ -169,7 +201,8 @@ class Stage:
         self.inputs.append(describe_input(path))
 
     def finish(self, outputs: dict, extra: dict | None = None) -> dict:
-        """Write the complete manifest; returns it."""
+        """Sweep temp files, then write the complete manifest; returns it."""
+        sweep_temp_files(self.dir)
         manifest = {
             "stage": self.name,
             "args": self.args,
@@ -204,6 +237,7 @@ def open_stage(workdir: Path, folder: str, args: dict, force: bool = False) -> S
         shutil.rmtree(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
     (stage_dir / MANIFEST).unlink(missing_ok=True)  # a resumed stage is incomplete until it ends
+    sweep_temp_files(stage_dir)  # what a killed run was writing
     return Stage(name=folder, dir=stage_dir, args=_jsonable(args))
 
 

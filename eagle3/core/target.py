@@ -131,21 +131,66 @@ def load_lm_head(path: Path, rows: torch.Tensor | None = None) -> torch.Tensor:
         return load_target_tensor(path, EMBED_NAMES, rows)
 
 
-def load_tokenizer(path: Path):
+TRUST_HELP = ("run the Python code the target folder ships (`auto_map` in its config.json or "
+              "tokenizer_config.json), as transformers' trust_remote_code, SGLang's and vLLM's "
+              "--trust-remote-code do; Kimi-K2.5 needs it. Off, such a target is refused")
+
+
+def remote_code_entry(path: Path, auto_classes: tuple[str, ...]) -> str | None:
+    """The `auto_map` entry of the target folder that makes transformers import the folder's own
+    Python for one of `auto_classes` (`"AutoTokenizer"`, ...), or None."""
+    for name in ("config.json", "tokenizer_config.json"):
+        file = Path(path) / name
+        if not file.is_file():
+            continue
+        auto_map = json.loads(file.read_text()).get("auto_map") or {}
+        for cls in auto_classes:
+            ref = auto_map.get(cls)
+            refs = ref if isinstance(ref, list) else [ref]
+            if any(isinstance(r, str) and r for r in refs):
+                return f"{name} auto_map {cls} = {ref!r}"
+    return None
+
+
+AUTO_CLASSES = ("AutoConfig", "AutoTokenizer", "AutoModel", "AutoModelForCausalLM")
+
+
+def check_remote_code(path: Path, trust_remote_code: bool) -> None:
+    """Refuse (TargetError, a ValueError: a usage error in the scripts) a target folder that
+    ships code for transformers to run unless `--trust-remote-code` was given."""
+    _refuse_remote_code(path, AUTO_CLASSES, trust_remote_code)
+
+
+def _refuse_remote_code(path: Path, auto_classes: tuple[str, ...], trust: bool) -> None:
+    # transformers without trust_remote_code silently loads a built-in class instead of the one
+    # a folder names (a different tokenizer than the target's): refuse instead.
+    entry = remote_code_entry(path, auto_classes)
+    if entry is not None and not trust:
+        raise TargetError(f"target {path} ships its own code ({entry}); loading it runs that "
+                          "code: pass --trust-remote-code if you trust the folder")
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """The target's tokenizer and chat template from its local folder.
 
-    `trust_remote_code`: Kimi-K2.5 ships its (tiktoken-based) tokenizer as Python code in the
-    model folder, as SGLang's `--trust-remote-code` expects; the folder is the user's own target.
+    A folder that ships its tokenizer as code (Kimi-K2.5's is tiktoken-based Python, named by
+    `auto_map`) loads only with `trust_remote_code` (the scripts' `--trust-remote-code`); without
+    it, such a folder is a TargetError naming the flag.
     """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    _refuse_remote_code(path, ("AutoTokenizer",), trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def load_hf_model(path: Path, dtype: str = "float32", device: str = "cpu"):
-    """The whole target through transformers (small targets, the demo, tests)."""
+def load_hf_model(path: Path, dtype: str = "float32", device: str = "cpu",
+                  trust_remote_code: bool = False):
+    """The whole target through transformers (small targets, the demo, tests); remote code
+    only with `trust_remote_code`, as `load_tokenizer`."""
     from transformers import AutoModelForCausalLM
 
+    _refuse_remote_code(path, ("AutoConfig", "AutoModel", "AutoModelForCausalLM"),
+                        trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                 trust_remote_code=True)
+                                                 trust_remote_code=trust_remote_code)
     return model.to(device).eval()

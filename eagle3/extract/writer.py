@@ -3,7 +3,8 @@
 
 Output of a split (PIPELINE.md): `<split>/shard_NNNNN/data_<idx>.pt`, idx = the record's line
 index in the merged split file, each file written atomically; `<split>/index.jsonl` logs
-`{idx, id, tokens, bytes}` once a file is on disk. Resume is by record id: every existing file
+`{idx, id, tokens, bytes}` once a file is on disk, rewritten in idx order when the split ends
+(the same bytes however the run was batched or killed). Resume is by record id: every existing file
 must hold the record now at its index (checked through the log, or the file's own `meta.id`
 when the log lost its tail to a kill), otherwise the merged split changed under the folder and
 the stage refuses to mix the two.
@@ -30,7 +31,7 @@ import torch
 from eagle3.core import hidden_states as hs
 from eagle3.core.progress import human_bytes, human_seconds, progress
 from eagle3.core.records import JsonlAppender, read_jsonl
-from eagle3.core.stage import atomic_write_bytes
+from eagle3.core.stage import atomic_write_bytes, sweep_temp_files
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,7 @@ class SplitWriter:
         self.records = records
         _check_unique_ids(records, self.root)
         self.root.mkdir(parents=True, exist_ok=True)
-        stale = hs.remove_temp_files(self.root)
-        if stale:
-            log.info("%s: removed %d temp files of a killed run", self.root, stale)
+        sweep_temp_files(self.root)  # open_stage swept too; a split may be written alone
         self.done = self._scan()  # idx -> {"idx", "id", "tokens", "bytes"}
         self._index = JsonlAppender(self.root / INDEX_FILE)
         for entry in self.done.values():
@@ -95,8 +94,10 @@ class SplitWriter:
         self.counts.written_bytes += nbytes
 
     def close(self) -> ExtractCounts:
-        """Flush the log; returns the counts with the totals of every file of the split."""
+        """Rewrite the log in idx order; returns the counts with the totals of every file."""
         self._index.close()
+        lines = (json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in sorted(self.done))
+        atomic_write_bytes(self.root / INDEX_FILE, "".join(lines).encode())
         c = self.counts
         c.tokens = sum(e["tokens"] for e in self.done.values())
         c.bytes = sum(e["bytes"] for e in self.done.values())

@@ -67,6 +67,27 @@ def _text(value: Any, where: str) -> str:
     raise RecordError(f"bad type: {where} is a {type(value).__name__}, not a string")
 
 
+def _role(value: Any, table: dict[str, str], where: str, fold_case: bool = False) -> str:
+    """A role name looked up in `table`; anything but a known string is a RecordError."""
+    role = table.get(value.lower() if fold_case else value) if isinstance(value, str) else None
+    if role is None:
+        raise RecordError(f"unknown role: {where}={_short(value)}")
+    return role
+
+
+def _short(value: Any) -> str:
+    return text if len(text := repr(value)) <= 60 else text[:57] + "..."
+
+
+def _str_or_none(value: Any, where: str) -> str | None:
+    """An optional string field (a tool call id, a tool name)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise RecordError(f"bad type: {where} is a {type(value).__name__}, not a string")
+    return value
+
+
 def _list(value: Any, where: str) -> list:
     if not isinstance(value, list):
         raise RecordError(f"bad type: {where} is a {type(value).__name__}, not a list")
@@ -117,9 +138,7 @@ def sharegpt(row: dict) -> tuple[list[dict], list | None]:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise RecordError(f"bad type: turn {i} is a {type(turn).__name__}, not an object")
-        role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
-        if role is None:
-            raise RecordError(f"unknown role: turn {i} has from={turn.get('from')!r}")
+        role = _role(turn.get("from"), SHAREGPT_ROLES, f"turn {i} has from", fold_case=True)
         messages.append({"role": role, "content": _text(turn.get("value"), f"turn {i} value")})
     tools = parse_json_field(row.get("tools"), "'tools'") if row.get("tools") else None
     return messages, tools
@@ -139,9 +158,7 @@ def openai_messages(row: dict) -> tuple[list[dict], list | None]:
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise RecordError(f"bad type: message {i} is a {type(m).__name__}, not an object")
-        role = OPENAI_ROLES.get(m.get("role"))
-        if role is None:
-            raise RecordError(f"unknown role: message {i} has role={m.get('role')!r}")
+        role = _role(m.get("role"), OPENAI_ROLES, f"message {i} has role")
         out = {"role": role, "content": _text(m.get("content"), f"message {i} content")}
         reasoning = next((m[k] for k in ("reasoning_content", "reasoning", "thinking")
                           if isinstance(m.get(k), (str, list)) and m.get(k)), None)
@@ -153,9 +170,9 @@ def openai_messages(row: dict) -> tuple[list[dict], list | None]:
             fc = m["function_call"]
             out["tool_calls"] = [_tool_call(fc.get("name"), fc.get("arguments"))]
         if role == "tool":
-            out["tool_call_id"] = m.get("tool_call_id")
-            if m.get("name"):
-                out["name"] = m["name"]
+            out["tool_call_id"] = _str_or_none(m.get("tool_call_id"), f"message {i} tool_call_id")
+            if name := _str_or_none(m.get("name"), f"message {i} name"):
+                out["name"] = name
         messages.append(out)
     tools = parse_json_field(row.get("tools"), "'tools'") if row.get("tools") else None
     return messages, tools
@@ -171,8 +188,8 @@ def _openai_calls(calls: Any, i: int) -> list[dict]:
         if not isinstance(fn, dict):
             raise RecordError(f"bad tool call: message {i} has a tool call without 'function'")
         call = _tool_call(fn.get("name"), fn.get("arguments"))
-        if tc.get("id"):
-            call["id"] = tc["id"]
+        if call_id := _str_or_none(tc.get("id"), f"message {i} tool call id"):
+            call["id"] = call_id
         out.append(call)
     return out
 
@@ -201,9 +218,7 @@ def swe_agent(row: dict) -> tuple[list[dict], list | None]:
     for i, step in enumerate(steps):
         if not isinstance(step, dict):
             raise RecordError(f"bad type: step {i} is a {type(step).__name__}, not an object")
-        role = SWE_AGENT_ROLES.get(step.get("role"))
-        if role is None:
-            raise RecordError(f"unknown role: step {i} has role={step.get('role')!r}")
+        role = _role(step.get("role"), SWE_AGENT_ROLES, f"step {i} has role")
         text = step.get("text", step.get("content"))
         messages.append({"role": role, "content": _text(text, f"step {i} text")})
     system = row.get("system_prompt") or steps[0].get("system_prompt")
@@ -242,10 +257,14 @@ def xlam_tool(tool: Any) -> dict:
     """xLAM's `{name, description, parameters: {p: {type, description, default?}}}` as an
     OpenAI tool with a JSON-schema `parameters` (Python type names mapped, `, optional` and a
     default make a parameter optional)."""
-    if not isinstance(tool, dict) or not tool.get("name"):
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
         raise RecordError("bad tools: an xLAM tool has no name")
+    params = tool.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise RecordError(f"bad tools: xLAM tool {tool['name']!r} parameters are a "
+                          f"{type(params).__name__}, not an object")
     props, required = {}, []
-    for pname, p in (tool.get("parameters") or {}).items():
+    for pname, p in params.items():
         p = p if isinstance(p, dict) else {"description": str(p)}
         raw_type = str(p.get("type", "string"))
         base = raw_type.split(",")[0].strip()

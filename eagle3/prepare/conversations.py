@@ -24,6 +24,7 @@ import re
 from eagle3.prepare.adapters import ADAPTERS, parse_json_field
 from eagle3.core.chat import split_for_generation
 from eagle3.core.records import RecordError
+from eagle3.prepare.validate import check_id
 
 MODES = ("keep", "regenerate", "prompt_only")
 
@@ -35,7 +36,7 @@ _SOLUTION = re.compile(r"\s*<\|begin_of_solution\|>(.*?)<\|end_of_solution\|>\s*
 def stable_id(dataset: str, row: dict, id_field: str | None = None) -> str:
     """`<dataset>/<row id>` from the row's own id, else a content hash of the row."""
     if id_field and row.get(id_field) not in (None, ""):
-        return f"{dataset}/{row[id_field]}"
+        return f"{dataset}/{check_id(row[id_field], id_field)}"
     blob = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
     digest = hashlib.sha1(blob.encode("utf-8", "surrogatepass")).hexdigest()
     return f"{dataset}/{digest[:16]}"
@@ -95,6 +96,12 @@ def normalize_tools(tools) -> list | None:
         fn = dict(fn)
         if "parameters" in fn:
             fn["parameters"] = parse_json_field(fn["parameters"], f"tool {k} parameters")
+            if not isinstance(fn["parameters"], dict):
+                raise RecordError(f"bad tools: tool {k} parameters are a "
+                                  f"{type(fn['parameters']).__name__}, not a JSON schema object")
+        if not isinstance(fn.get("description", ""), str):
+            raise RecordError(f"bad tools: tool {k} description is a "
+                              f"{type(fn['description']).__name__}, not a string")
         out.append({"type": "function", "function": fn})
     return out
 
@@ -115,6 +122,9 @@ def normalize_tool_calls(messages: list[dict], tools: list | None) -> list[dict]
                 new_id = f"functions.{name}:{idx}"
                 idx += 1
                 if tc.get("id"):
+                    if not isinstance(tc["id"], str):
+                        raise RecordError(f"bad tool call: message {i} call id is a "
+                                          f"{type(tc['id']).__name__}, not a string")
                     if tc["id"] in renamed:
                         raise RecordError(f"bad tool call: message {i} reuses call id "
                                           f"{tc['id']!r}")
@@ -161,6 +171,9 @@ def _call_arguments(args, i: int) -> str:
 
 
 def _link_result(old: str | None, i: int, renamed: dict, pending: list, answered: set) -> str:
+    if old and not isinstance(old, str):
+        raise RecordError(f"bad tool call: message {i} tool_call_id is a {type(old).__name__}, "
+                          "not a string")
     if old:
         new = renamed.get(old)
         if new is None:

@@ -32,6 +32,7 @@ from eagle3.prepare.recipes import DatasetSpec
 from eagle3.core.records import RecordError, TokenizedRecord
 from eagle3.prepare.sources import RawRow, parse_row, raw_for_quarantine
 from eagle3.core.stage import atomic_write_bytes, atomic_write_json, atomic_writer
+from eagle3.prepare.validate import check_depth, check_values, min_tokens
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class RowContext:
     renderer: ChatRenderer
     verify_every: int = 100  # re-check 1 in N kept records against the exact path (0 = never)
     exact: bool = False  # use the exact (slow) tokenization for every record
+    max_token_chars: int = 0  # characters of the longest token (0 = no cheap length bound)
 
 
 def json_line(obj) -> bytes:
@@ -74,32 +76,49 @@ def quarantine_line(source: str, key: str, rid: str | None, reason: str, raw) ->
     # ensure_ascii: the raw row may hold lone surrogates, which UTF-8 cannot carry
     line = {"source": source, "row": key, "id": rid, "reason": reason,
             "raw": raw_for_quarantine(raw)}
-    return json.dumps(line, ensure_ascii=True, default=str).encode() + b"\n"
+    try:
+        text = json.dumps(line, ensure_ascii=True, allow_nan=False, default=str)
+    except (ValueError, RecursionError):  # NaN or nesting past the limit: keep its repr
+        line["raw"] = repr(raw)[:100_000]
+        text = json.dumps(line, ensure_ascii=True)
+    return text.encode() + b"\n"
 
 
 def prepare_row(key: str, payload, spec: DatasetSpec, ctx: RowContext) -> Outcome:
     """Convert one source row; never raises for a bad row (it becomes a quarantine line)."""
     out = Outcome(key)
-    row, error = parse_row(payload)
-    conv = None
+    row = None
     try:
+        row, error = parse_row(payload)
         if error is not None:
             raise RecordError(error)
+        check_depth(row)
         conv = to_conversation(row, spec.name, spec.adapter, spec.id_field, spec.mode,
                                spec.drop_system)
         out.id = conv["id"]
+        check_values(conv)
         out.conv_line = _encode_line(conv)
-        hit = ctx.renderer.special_text_in(conv["messages"])
+        hit = ctx.renderer.special_text_in(conv["messages"], conv.get("tools"))
         if hit:
             raise RecordError(f"special token in text: {hit}")
         if spec.mode == "keep":
             _render_kept(conv, spec, ctx, out)
         else:
-            _measure_prompt(conv, spec, ctx.renderer, out)
+            _measure_prompt(conv, spec, ctx, out)
     except (RecordError, RenderError) as e:
-        out.bad_line = quarantine_line(spec.name, key, out.id, str(e), payload if row is None
-                                       else row)
-        out.conv_line, out.tok_lines = b"", []
+        reason = str(e)
+    except RenderMismatch:
+        raise  # the tokenizer, not the row: the stage stops (see --exact-render)
+    except (MemoryError, RecursionError) as e:
+        reason = f"too large: converting the row raised {type(e).__name__}"
+    except Exception as e:  # noqa: BLE001 - no row may stop the stage; the reason says what
+        log.warning("row %s of %s raised %s; quarantined", key, spec.name, type(e).__name__)
+        reason = f"unexpected error: {type(e).__name__} ({str(e)[:200]})"
+    else:
+        return out
+    out.bad_line = quarantine_line(spec.name, key, out.id, reason,
+                                   payload if row is None else row)
+    out.conv_line, out.tok_lines = b"", []
     return out
 
 
@@ -154,8 +173,39 @@ def _mask_text(mask: list[int]) -> str:
 
 def _fit(conv: dict, limit: int, ctx: RowContext, out: Outcome) -> list[Sample]:
     """The conversation's samples; over the limit, cut it after its latest assistant turn
-    whose samples all fit (the record written is the cut one, so 01b renders the same)."""
+    whose samples all fit (the record written is the cut one, so 01b renders the same).
+
+    Turns whose prefix is over the limit by the cheap bound (validate.min_tokens) are cut
+    before anything is rendered, so a huge conversation costs what its fitting part costs."""
     messages, tools = conv["messages"], conv.get("tools")
+    if ctx.max_token_chars:
+        bound = min_tokens(messages, ctx.max_token_chars)
+        if bound[-1] > limit:
+            ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"
+                    and bound[i] <= limit]
+            if not ends:
+                raise RecordError(f"too long: at least {bound[-1]} tokens > max_seq_len "
+                                  f"{limit} (bound from its characters, before rendering), and "
+                                  "no earlier assistant turn ends a shorter conversation that "
+                                  "fits")
+            return _fit(_cut(conv, ends[-1], out), limit, ctx, out)
+    # One render of the text and one encode (linear in its length) before `samples`, whose
+    # per-turn rendering grows with turns x length (a 400-turn conversation: 0.2 s vs 24 s).
+    if _text_tokens(messages, tools, ctx) > limit:
+        ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        lo, hi = 0, len(ends)  # ends[:lo] fit; binary search on the prefix length
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _text_tokens(messages[: ends[mid] + 1], tools, ctx) <= limit:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            raise RecordError(f"too long: {_text_tokens(messages, tools, ctx)} tokens > "
+                              f"max_seq_len {limit}, and no earlier assistant turn ends a "
+                              "shorter conversation that fits")
+        conv = _cut(conv, ends[lo - 1], out)
+        messages = conv["messages"]
     samples = ctx.renderer.samples(messages, tools, exact=ctx.exact)
     longest = max(len(s.input_ids) for s in samples)
     if longest <= limit:
@@ -174,9 +224,25 @@ def _fit(conv: dict, limit: int, ctx: RowContext, out: Outcome) -> list[Sample]:
                       "assistant turn ends a shorter conversation that fits")
 
 
-def _measure_prompt(conv: dict, spec: DatasetSpec, renderer: ChatRenderer, out: Outcome):
+def _cut(conv: dict, end: int, out: Outcome) -> dict:
+    """The conversation through message `end`, recorded as the one written out."""
+    conv["messages"] = conv["messages"][: end + 1]
+    out.conv_line = json_line(conv)
+    out.truncated = True
+    return conv
+
+
+def _text_tokens(messages: list[dict], tools, ctx: RowContext) -> int:
+    return len(ctx.renderer.encode(ctx.renderer.render_text(messages, tools, False)))
+
+
+def _measure_prompt(conv: dict, spec: DatasetSpec, ctx: RowContext, out: Outcome):
     prompt, _ = split_for_generation(conv["messages"])
-    n = len(renderer.prompt_ids(prompt, conv.get("tools")))
+    if ctx.max_token_chars and (n := min_tokens(prompt, ctx.max_token_chars)[-1]) >= \
+            spec.max_seq_len:
+        raise RecordError(f"too long: the prompt has at least {n} tokens >= max_seq_len "
+                          f"{spec.max_seq_len} (bound from its characters), no room to generate")
+    n = len(ctx.renderer.prompt_ids(prompt, conv.get("tools")))
     if n >= spec.max_seq_len:
         raise RecordError(f"too long: the prompt has {n} tokens >= max_seq_len "
                           f"{spec.max_seq_len}, no room to generate")

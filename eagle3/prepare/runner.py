@@ -37,6 +37,7 @@ from eagle3.prepare.rows import (
 from eagle3.core.progress import progress
 from eagle3.prepare.recipes import DatasetSpec
 from eagle3.prepare.sources import RowSource, describe
+from eagle3.prepare.validate import max_token_chars
 from eagle3.core.stage import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class RenderSettings:
     end_of_turn: str | None = None
     verify_every: int = 100
     exact: bool = False
+    trust_remote_code: bool = False  # --trust-remote-code: the tokenizer may be the folder's code
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps([self.template_kwargs, self.end_of_turn, self.exact],
@@ -69,9 +71,11 @@ class RenderSettings:
 def build_context(settings: RenderSettings, tokenizer=None) -> RowContext:
     from eagle3.core.target import load_tokenizer
 
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.target)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.target,
+                                                                      settings.trust_remote_code)
     renderer = ChatRenderer(tokenizer, settings.template_kwargs, settings.end_of_turn)
-    return RowContext(renderer, settings.verify_every, settings.exact)
+    return RowContext(renderer, settings.verify_every, settings.exact,
+                      max_token_chars(tokenizer))
 
 
 _WORKER: dict = {}  # the worker process's RowContext, set once by its initializer
@@ -315,3 +319,19 @@ def _expected_rows(run: DatasetRun) -> int:
         n = len(run.source)
         return n if run.spec.count is None else min(n, run.spec.count)
     return run.spec.count or 0
+
+
+def source_warnings(datasets: dict[str, dict], max_loss: float) -> list[str]:
+    """A line for each dataset that gave no record, or lost more than `max_loss` of its rows."""
+    out = []
+    for name, c in datasets.items():
+        read, bad = c["rows_read"], c["quarantined"]
+        top = ", ".join(f"{k} {n}" for k, n in sorted(c["quarantine_reasons"].items(),
+                                                      key=lambda kv: (-kv[1], kv[0]))[:3])
+        if c["records"] == 0:
+            out.append(f"{name}: no record out of {read} rows read"
+                       + (f" (quarantined: {top})" if bad else " (the source holds no row)"))
+        elif read and bad / read > max_loss:
+            out.append(f"{name}: {bad} of {read} rows quarantined ({100 * bad / read:.0f}% > "
+                       f"--max-loss {100 * max_loss:.0f}%): {top}")
+    return out

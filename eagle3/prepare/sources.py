@@ -22,6 +22,7 @@ import glob
 import gzip
 import json
 import logging
+import zlib
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from eagle3.core.progress import progress
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, which some editors put before the first row
 RawRow = tuple[str, Any]
 
 
@@ -95,7 +97,10 @@ class LocalSource(RowSource):
     def __init__(self, path: Path):
         self.name = str(path)
         self.files = local_files(path)
-        self._parts = [_open_file(f) for f in self.files]
+        try:
+            self._parts = [_open_file(f) for f in self.files]
+        except OSError as e:  # unreadable: permissions, a folder named like a file, ...
+            raise SourceError(f"dataset file {e.filename}: cannot be read ({e.strerror})") from e
         self._starts = [0]
         for part in self._parts:
             self._starts.append(self._starts[-1] + len(part))
@@ -120,26 +125,44 @@ def _open_file(path: Path):
     name = path.name
     if name.endswith(".parquet"):
         return _ParquetFile(path)
-    opener = gzip.open if name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        head = f.read(4096).lstrip()
+    raw = _read_gzip(path) if name.endswith(".gz") else None
+    head = (raw[:4096] if raw is not None else _head(path)).removeprefix(BOM).lstrip()
     if name.endswith((".json", ".json.gz")) and head[:1] == b"[":
-        return _JsonArrayFile(path)
-    if name.endswith((".json", ".json.gz")) and not _first_line_is_json(path, opener):
+        return _JsonArrayFile(path, raw)
+    if name.endswith((".json", ".json.gz")) and not _first_line_is_json(
+            raw.splitlines() if raw is not None else _lines(path)):
         raise SourceError(f"dataset file {path}: neither a JSON array nor JSON lines")
-    if name.endswith(".gz"):
-        return _JsonlLines(path, gzip.decompress(path.read_bytes()).splitlines(keepends=True))
+    if raw is not None:
+        return _JsonlLines(path, raw.splitlines(keepends=True))
     return _JsonlFile(path)
 
 
-def _first_line_is_json(path: Path, opener) -> bool:
-    with opener(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    return isinstance(json.loads(line), dict)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    return False
+def _read_gzip(path: Path) -> bytes:
+    """The whole decompressed file; a truncated or non-gzip file is a SourceError naming it."""
+    try:
+        return gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
+        raise SourceError(f"dataset file {path}: not a readable gzip file ({type(e).__name__}: "
+                          f"{e}); re-download it, or drop the .gz suffix if it is plain") from e
+
+
+def _head(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.read(4096)
+
+
+def _lines(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        yield from f
+
+
+def _first_line_is_json(lines) -> bool:
+    for k, line in enumerate(lines):
+        if line.strip():
+            try:
+                return isinstance(json.loads(line.removeprefix(BOM) if k == 0 else line), dict)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                return False
     return True  # an empty file: no rows
 
 
@@ -191,14 +214,16 @@ class _JsonlLines:
 class _JsonArrayFile:
     """A JSON array of row objects, loaded whole (the format allows nothing else)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, raw: bytes | None = None):
         self.path = path
-        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else \
-            path.read_bytes()
+        raw = (raw if raw is not None else path.read_bytes()).removeprefix(BOM)
         try:
             self.items = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise SourceError(f"dataset file {path}: not a valid JSON array ({e})") from e
+        if not isinstance(self.items, list):
+            raise SourceError(f"dataset file {path}: a JSON {type(self.items).__name__}, not "
+                              "an array of rows")
 
     def __len__(self) -> int:
         return len(self.items)
@@ -281,15 +306,29 @@ def open_source(path: Path | None, hf: HFSpec | None, seed: int | None = None) -
 
 
 def parse_row(payload: Any) -> tuple[Any, str | None]:
-    """(row, None) or (None, reason): JSONL bytes are parsed here, parsed rows pass through."""
+    """(row, None) or (None, reason): JSONL bytes are parsed here, parsed rows pass through.
+    A leading BOM is dropped; NaN and Infinity (which Python's json reads) are refused."""
     if not isinstance(payload, (bytes, bytearray)):
         return payload, None
     try:
-        return json.loads(payload.decode("utf-8")), None
+        return json.loads(bytes(payload).removeprefix(BOM).decode("utf-8"),
+                          parse_constant=_refuse_constant), None
     except UnicodeDecodeError as e:
         return None, f"invalid utf-8: byte {e.start} of the line ({e.reason})"
     except json.JSONDecodeError as e:
         return None, f"malformed json: {e.msg} at char {e.pos}"
+    except RecursionError:
+        return None, "too deeply nested: the line's JSON nests past the parser's limit"
+    except _NonFinite as e:
+        return None, f"non-finite number: the line holds {e}, which JSON does not allow"
+
+
+class _NonFinite(ValueError):
+    pass
+
+
+def _refuse_constant(name: str):
+    raise _NonFinite(name)
 
 
 def raw_for_quarantine(payload: Any) -> Any:

@@ -5,12 +5,17 @@ A folder holds `state.pt` — draft weights (no `_orig_mod.`/`module.` prefixes)
 schedule, loop state, data position, RNG states — and `config.json` (the resolved training
 config). A process killed while writing leaves only a `.tmp_step_*` folder, which is ignored and
 removed by the next save.
+
+`state.pt` holds only tensors and plain Python values (the RNG states too, as tensors), so it
+loads with `torch.load(..., weights_only=True)`: a checkpoint folder copied from elsewhere
+cannot run code on resume, and one holding a pickled object is refused (CheckpointError).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -52,7 +57,13 @@ def clean_state_dict(state: dict) -> dict:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Every RNG's state as tensors and plain values (what `weights_only=True` loads)."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64),
+                        "gauss": gauss},
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -60,8 +71,10 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -112,11 +125,23 @@ def load_latest(root: Path, config: dict) -> dict | None:
     if changed:
         raise CheckpointError(f"{folder} was trained with other architecture settings "
                               f"{changed} (saved, now): use the same flags or --force to restart")
-    # weights_only=False: the RNG states hold numpy objects; the file is our own checkpoint.
-    state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+    state = load_state(folder / "state.pt")
     state["folder"] = str(folder)
     log.info("resuming from %s", folder)
     return state
+
+
+def load_state(path: Path) -> dict:
+    """A checkpoint's `state.pt`, read with `weights_only=True`; a file that needs more (a
+    pickled object, or a checkpoint written before the RNG states were stored as tensors) is
+    refused rather than unpickled."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path} holds more than tensors and plain values, so it is not loaded (unpickling "
+            "it could run code): use a checkpoint this pipeline wrote, or pass --force to "
+            f"restart ({str(e).splitlines()[0]})") from e
 
 
 def check_data_position(state: dict, rows_per_step: int, seed: int, folder: str) -> None:

@@ -269,10 +269,13 @@ class PackedRows(torch.utils.data.Dataset):
 
 
 def make_loader(dataset, num_workers: int, pin_memory: bool, prefetch: int = 4):
+    # Its own generator: a DataLoader draws its workers' base seed from the global torch RNG,
+    # which would make the RNG state saved in a checkpoint depend on how often loaders were
+    # built (a resumed run builds one more), not on the step alone.
     return torch.utils.data.DataLoader(
         dataset, batch_size=None, shuffle=False, num_workers=num_workers,
         prefetch_factor=prefetch if num_workers else None, pin_memory=pin_memory,
-        persistent_workers=False)
+        persistent_workers=False, generator=torch.Generator().manual_seed(0))
 
 
 class DevicePrefetcher:

@@ -2,7 +2,9 @@
 `tensorboard` package is installed) and PNG plots of the curves at the end. Rank 0 only.
 
 A resumed run first cuts `metrics.jsonl` back to the resumed step (a killed run may have logged
-steps past its last checkpoint), so the file holds one curve, as an uninterrupted run would.
+steps past its last checkpoint; the eval at that step is kept and not run again), and a run
+started afresh (`resume_step=-1`) empties it (a run killed before its first checkpoint logged
+rows from step 0), so the file holds one curve, as an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class MetricsLog:
     """Appends records to `metrics.jsonl` and, if available, TensorBoard scalars."""
 
     def __init__(self, out_dir: Path, enabled: bool, resume_step: int, tensorboard: bool = True):
+        """`resume_step`: the checkpoint's step, or -1 for a fresh start (nothing kept)."""
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self.tb = None
@@ -46,7 +49,7 @@ class MetricsLog:
                          "(pip install tensorboard to get TensorBoard logs)", self.path)
             else:
                 self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"),
-                                        purge_step=resume_step or None)
+                                        purge_step=resume_step if resume_step > 0 else None)
 
     def write(self, record: dict) -> None:
         if not self.enabled:

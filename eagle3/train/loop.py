@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle3.train import distributed
@@ -133,6 +135,10 @@ def build_draft_config(cfg: TrainConfig, info, draft_vocab: int, capture_layers)
 
 
 def build_draft(dcfg: DraftConfig, seed: int, d2t, t2d) -> Eagle3Draft:
+    # Every RNG from the seed (nothing else seeds Python's or numpy's): the states a checkpoint
+    # saves are then the same in every run of this seed, killed or not.
+    random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
     draft = build_draft_model(dcfg)
     for p in draft.parameters():
@@ -180,6 +186,7 @@ class LoopState:
     tokens: int = 0
     ema_loss: float = 0.0  # EMA of the step loss, debiased when logged
     nonfinite_step: int = -1  # first step whose update was skipped (CUDA), -1 = none
+    last_eval: dict = field(default_factory=dict)  # the eval at `step` (done before the save)
 
 
 def _batch_args(batch: dict) -> tuple:
@@ -312,10 +319,13 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
                      torch.bfloat16 if rt.bf16 else torch.float32,
                      cfg.topk_teacher).to(rt.device)
     optimizer = build_optimizer(draft, cfg, rt.device)
-    state, window_saved = _maybe_resume(cfg, out_dir, draft, optimizer, plan)
+    state, window_saved, resumed = _maybe_resume(cfg, out_dir, draft, optimizer, plan)
     ddp = distributed.wrap(model, rt.dist, rt.device)
     forward = torch.compile(ddp) if rt.compile else ddp
-    metrics = MetricsLog(out_dir, rt.dist.is_main, state.step, cfg.tensorboard)
+    # Resumed: the file is cut back to the checkpoint's step (its eval row included, not redone);
+    # started afresh: rows of a run killed before its first checkpoint go.
+    metrics = MetricsLog(out_dir, rt.dist.is_main, state.step if resumed else -1,
+                         cfg.tensorboard)
     rows = [r for s in range(state.step, num_steps) for r in plan.rows_for(s, rt.dist.rank)]
     feed = DevicePrefetcher(make_loader(PackedRows(data.train_files, rows, width,
                                                    cfg.max_seq_len, data.teacher_topk),
@@ -325,7 +335,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     bad_step = torch.tensor(state.nonfinite_step, device=rt.device)
     run = TrainRun(cfg, rt, Path(out_dir), data, plan, width, draft, optimizer, model, ddp,
                    forward, feed, metrics, WindowClock(time.perf_counter()))
-    start_step, last_eval = state.step, {}
+    start_step, last_eval = state.step, state.last_eval
     log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d, "
              "%s attention, %s", num_steps, cfg.epochs, plan.rows_per_step, width,
              100 * plan.padding_share(data.train_lengths, width, cfg.max_seq_len), warmup,
@@ -335,12 +345,14 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
         lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if last_step or (step % cfg.eval_every == 0 and step > start_step) or step == 0:
+        due = last_step or step % cfg.eval_every == 0
+        if due and not (resumed and step == start_step):  # done before that save
             _raise_if_nonfinite(bad_step)
             last_eval = _run_eval(run, step)
         if step > start_step and (last_step or step % cfg.save_every == 0):
             _raise_if_nonfinite(bad_step)
             state.step, state.ema_loss, state.nonfinite_step = step, float(ema), int(bad_step)
+            state.last_eval = last_eval
             _save(run, step, state, window)
         if last_step:
             break
@@ -387,15 +399,15 @@ def _micro_steps(run: TrainRun, window: Window) -> torch.Tensor:
     return step_loss
 
 
-def _maybe_resume(cfg, out_dir, draft, optimizer, plan: RunPlan) -> tuple[LoopState, dict]:
+def _maybe_resume(cfg, out_dir, draft, optimizer, plan: RunPlan) -> tuple[LoopState, dict, bool]:
     saved = load_latest(out_dir / "checkpoints", _checkpoint_config(cfg, draft))
     if saved is None:
-        return LoopState(), {}
+        return LoopState(), {}, False
     check_data_position(saved, plan.rows_per_step, cfg.seed, saved["folder"])
     draft.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     set_rng_state(saved["rng"])
-    return LoopState(**saved["loop_state"]), saved.get("window", {})
+    return LoopState(**saved["loop_state"]), saved.get("window", {}), True
 
 
 def _checkpoint_config(cfg: TrainConfig, draft: Eagle3Draft) -> dict:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dataset_helpers import code_shipping_target
 from eagle3.core import target as target_mod
 from eagle3.core.target import TargetError, load_embedding, load_lm_head, read_target_info
 
@@ -102,24 +103,35 @@ def test_target_info_reads_a_multimodal_wrapper_and_rope_parameters(tmp_path):
 
 def test_load_tokenizer_runs_the_folder_code_when_the_tokenizer_is_custom(tiny_target_dir,
                                                                           tmp_path):
-    """Kimi-K2.5 ships its tokenizer as code (`auto_map`); it must load like the real one."""
-    import json
-    import shutil
-
+    """Kimi-K2.5 ships its tokenizer as code (`auto_map`); with the flag it loads as shipped."""
     from eagle3.core.target import load_tokenizer
 
-    folder = tmp_path / "custom"
-    shutil.copytree(tiny_target_dir, folder)
-    (folder / "tokenization_custom.py").write_text(
-        "from transformers import PreTrainedTokenizerFast\n\n\n"
-        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
-    cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "CustomTokenizer"
-    cfg["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}
-    cfg_path.write_text(json.dumps(cfg))
-    tok = load_tokenizer(folder)
+    folder = code_shipping_target(tiny_target_dir, tmp_path / "custom")
+    tok = load_tokenizer(folder, trust_remote_code=True)
     assert type(tok).__name__ == "CustomTokenizer"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    add_generation_prompt=True).endswith(
         "<|im_assistant|>assistant<|im_middle|>")
+
+
+def test_target_shipping_code_is_refused_naming_the_flag_when_not_trusted(tiny_target_dir,
+                                                                          tmp_path):
+    """transformers alone would load a built-in tokenizer class instead, silently."""
+    from eagle3.core.target import check_remote_code, load_hf_model, load_tokenizer
+
+    folder = code_shipping_target(tiny_target_dir, tmp_path / "custom")
+    (folder / "code_ran").unlink(missing_ok=True)
+    (folder / "tokenization_custom.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('code_ran').touch()\n")
+    for load in (lambda: load_tokenizer(folder), lambda: check_remote_code(folder, False)):
+        with pytest.raises(TargetError, match="pass --trust-remote-code"):
+            load()
+    load_hf_model(folder)  # the model itself is plain: its loading runs no folder code
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig"}  # as Kimi-K2.5's
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TargetError, match="config.json auto_map AutoConfig"):
+        load_hf_model(folder)
+    assert not (folder / "code_ran").exists()
+    check_remote_code(tiny_target_dir, False)  # a plain target needs no flag
+    load_tokenizer(tiny_target_dir)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stage_helpers import assert_same_folder
 from extract_helpers import (
     STAGE,
     assert_same_outputs,
@@ -55,7 +56,9 @@ def test_extract_hf_writes_identical_files_when_killed_and_resumed(merged, tiny_
     assert _hf(workdir, tiny_target_dir) == 0
     assert_same_outputs(workdir, reference)
     assert not stale.exists()
-    index = {e["idx"]: e["id"] for e in read_jsonl(root / "index.jsonl")}  # the last line wins
+    assert_same_folder(workdir / STAGE, workdir, reference / STAGE, reference, run_counts=(
+        "written", "written_tokens", "written_bytes", "skipped_existing"))  # index order too
+    index = {e["idx"]: e["id"] for e in read_jsonl(root / "index.jsonl")}
     records = list(read_jsonl(merged / "01c_merged/train.jsonl"))
     assert index == {i: r["id"] for i, r in enumerate(records)}
 
@@ -156,4 +159,7 @@ def test_tmp_files_are_not_taken_for_data_files(tmp_path):
     path = hs.file_path(root, 3)
     path.parent.mkdir(parents=True)
     path.with_name(".data_3.pt.1.2.tmp").write_bytes(b"x")
-    assert hs.remove_temp_files(root) == 1 and not list(path.parent.iterdir())
+    path.with_name("data_4.pt").write_bytes(b"kept")  # not a temp name
+    from eagle3.core.stage import sweep_temp_files
+
+    assert sweep_temp_files(root) == 1 and [p.name for p in path.parent.iterdir()] == ["data_4.pt"]

@@ -308,9 +308,25 @@ SGLANG = [c for c in ALL if kind(c) == "sglang"] + [e for c in OURS
                                                      for e in embedded_sglang_commands(c)]
 
 
+@pytest.fixture(scope="module")
+def kimi_like_target(tiny_target_dir, tmp_path_factory):
+    """The tiny target with its tokenizer shipped as code, as Kimi-K2.5's: the plan's commands
+    that load it must pass --trust-remote-code."""
+    from dataset_helpers import code_shipping_target
+
+    return code_shipping_target(tiny_target_dir, tmp_path_factory.mktemp("kimi") / "target")
+
+
 @pytest.mark.parametrize("cmd", OURS, ids=[c.where for c in OURS])
-def test_doc_command_parses_with_the_scripts_own_parser(cmd, tiny_target_dir):
-    check_ours(cmd, {KIMI_TARGET: str(tiny_target_dir)})
+def test_doc_command_parses_with_the_scripts_own_parser(cmd, kimi_like_target):
+    check_ours(cmd, {KIMI_TARGET: str(kimi_like_target)})
+
+
+def test_command_loading_a_code_shipping_target_fails_without_the_flag(kimi_like_target):
+    (cmd,) = split_commands(f"python 03_build_vocab_mapping.py --workdir w --target "
+                            f"{kimi_like_target}", "doc")
+    with pytest.raises(AssertionError, match="--trust-remote-code"):
+        check_ours(cmd)
 
 
 def test_plan_has_a_command_for_every_stage_and_server():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from dataset_helpers import FIXTURE_DIR
+from stage_helpers import assert_same_folder
 
 from eagle3.core.chat import ChatRenderer, split_for_generation
 from eagle3.core.records import read_jsonl
@@ -312,6 +313,9 @@ def test_prepare_output_is_identical_when_killed_at_random_moments_and_rerun(
                 (name, f)
         assert not (tmp_path / "run/01_prepared" / name / "parts").exists()
     assert json.loads((tmp_path / "run/01_prepared/manifest.json").read_text())["complete"]
+    # the whole folder: no temp copy of an output, no stray file, the same manifest
+    assert_same_folder(tmp_path / "run/01_prepared", tmp_path / "run",
+                       tmp_path / "ref/01_prepared", tmp_path / "ref")
 
 
 def test_shipped_recipes_load_and_the_kimi_mix_is_about_ten_sources_of_100k(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,39 @@ def test_latest_complete_checkpoint_is_loaded_with_clean_names_and_rng(tmp_path)
 
     set_rng_state(state["rng"])
     assert (random.random(), torch.rand(1)) == expected
+
+
+def test_state_file_loads_with_weights_only_and_restores_every_rng(tmp_path):
+    save_checkpoint(tmp_path, 3, _state(3), CONFIG, keep_latest=5)
+    raw = torch.load(tmp_path / "step_000003" / "state.pt", weights_only=True)  # no pickle
+    np.random.seed(5)
+    random.seed(5)
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's state
+    expected_state = np.random.get_state()
+    save_checkpoint(tmp_path, 6, _state(6), CONFIG, keep_latest=5)
+    expected = (np.random.standard_normal(), random.random())
+    np.random.seed(0)
+    random.seed(0)
+    from eagle3.train.checkpoint import set_rng_state
+
+    set_rng_state(load_latest(tmp_path, CONFIG)["rng"])
+    assert np.random.get_state()[2:] == expected_state[2:]
+    assert (np.random.standard_normal(), random.random()) == expected
+    assert raw["loop_state"]["step"] == 3
+
+
+class Payload:
+    """Stands for any object a pickle could carry (and run code while loading)."""
+
+
+def test_state_file_holding_a_pickled_object_is_refused_when_resuming(tmp_path):
+    save_checkpoint(tmp_path, 3, _state(3), CONFIG, keep_latest=5)
+    path = tmp_path / "step_000003" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    state["extra"] = Payload()  # torch.load(weights_only=False) would build it
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="state.pt holds more than tensors"):
+        load_latest(tmp_path, CONFIG)
 
 
 def test_folder_without_marker_is_ignored_when_a_save_was_killed(tmp_path):

@@ -148,12 +148,51 @@ def _curve(out: Path) -> list[tuple]:
             for r in recs]
 
 
-def test_run_killed_mid_epoch_resumes_at_the_exact_batch_with_the_same_loss_curve(
-        tiny_data, tmp_path):
+TIMING = ("dt_ms", "tok_s", "data_wait")  # wall-clock fields of a train row
+
+
+def _canonical(obj) -> str:
+    """A loaded state as text: tensors by dtype, shape and bytes, keys in their order."""
+    if isinstance(obj, torch.Tensor):
+        return f"T({obj.dtype},{tuple(obj.shape)},{obj.contiguous().numpy().tobytes().hex()})"
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{k!r}:{_canonical(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (list, tuple)):
+        return "[" + ",".join(_canonical(v) for v in obj) + "]"
+    return repr(obj)
+
+
+def _folder(root: Path) -> dict[str, bytes]:
+    """Every file under `root` by relative name, `root` itself written `<root>` (the config
+    names it); metrics.jsonl without its timing fields; state.pt by its loaded content
+    (torch.save writes a random `serialization_id` into every file, and pickle's memo follows
+    object identity)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            data = p.read_bytes()
+            if p.name == "state.pt":
+                data = _canonical(torch.load(p, weights_only=True)).encode()
+            if p.name == "metrics.jsonl":
+                rows = [{k: v for k, v in r.items() if k not in TIMING}
+                        for r in read_metrics(p)]
+                data = json.dumps(rows).encode()
+            out[str(p.relative_to(root))] = data.replace(str(root).encode(), b"<root>")
+    return out
+
+
+def test_run_killed_twice_resumes_to_the_folder_of_an_uninterrupted_run(tiny_data, tmp_path):
+    """Killed before its first checkpoint, then mid-epoch after one: the resumed run ends with
+    the same files, checkpoints byte for byte and one metrics curve (one eval row a step)."""
     helper = Path(th.__file__)
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
     subprocess.run([sys.executable, str(helper), str(tiny_data), str(whole)], check=True,
                    timeout=300)
+    proc = subprocess.run([sys.executable, str(helper), str(tiny_data), str(crashed), "2"],
+                          timeout=300)
+    assert proc.returncode == -9  # before the first checkpoint (at step 3): starts afresh
+    assert not list((crashed / "checkpoints").glob("step_*"))
+    assert [r["step"] for r in read_metrics(crashed / "metrics.jsonl")][:2] == [0, 1]
     proc = subprocess.run([sys.executable, str(helper), str(tiny_data), str(crashed), "7"],
                           timeout=300)
     assert proc.returncode == -9  # SIGKILL after the update of step 7 (checkpoints at 3, 6)
@@ -164,6 +203,8 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_batch_with_the_same_loss_curv
                    timeout=300)
     a, b = _curve(whole), _curve(crashed)
     assert [r[0] for r in a] == [r[0] for r in b]
+    evals = [r["step"] for r in read_metrics(crashed / "metrics.jsonl") if "eval_acc" in r]
+    assert evals == sorted(set(evals)) and evals[0] == 0  # one eval row per eval step
     for x, y in zip(a, b):
         if x[1] is None or y[1] is None:  # eval rows carry eval_* fields, no "loss"
             assert x[1] is y[1], x[0]
@@ -171,11 +212,14 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_batch_with_the_same_loss_curv
             assert x[1] == pytest.approx(y[1], rel=1e-6, abs=1e-9), x[0]
         assert x[2] == pytest.approx(y[2], abs=1e-9), x[0]
     ckpt = torch.load(sorted((crashed / "checkpoints").glob("step_*"))[-1] / "state.pt",
-                      weights_only=False)
+                      weights_only=True)
     final = torch.load(sorted((whole / "checkpoints").glob("step_*"))[-1] / "state.pt",
-                       weights_only=False)
+                       weights_only=True)
     for name, value in final["model"].items():
         torch.testing.assert_close(ckpt["model"][name], value, msg=name)
+    got, want = _folder(crashed), _folder(whole)
+    assert sorted(got) == sorted(want)
+    assert [n for n in want if got[n] != want[n]] == []
 
 
 # ---------------------------------------------------------------- the demo
