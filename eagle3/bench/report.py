@@ -148,6 +148,9 @@ def summary_rows(results: dict) -> tuple[dict, dict, bool]:
         if results["backend"] == "hf":
             for s, m in r["steps"].items():
                 outputs.setdefault(s, m["acceptance_length"])
+                outputs.setdefault("loops", {}).setdefault(s, {
+                    "loop_share": m.get("loop_share"),
+                    "loop_free_acceptance": m.get("loop_free_acceptance")})
                 ok &= not m["lossless_mismatches"]
                 lossless = ("n/a (sampling)" if m["lossless_mismatches"] is None
                             else m["lossless_mismatches"] == 0)
