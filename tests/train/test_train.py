@@ -181,7 +181,8 @@ def test_run_killed_mid_epoch_resumes_at_the_exact_batch_with_the_same_loss_curv
 
 
 def test_demo_training_lowers_the_loss_and_raises_acceptance_above_an_untrained_draft(
-        demo_run, target_model, tokenizer):
+        demo_run, demo_target_model, tokenizer):
+    target_model = demo_target_model
     from eagle3.bench.run import PromptSet, run_offline
     from eagle3.draft.export import load_draft
     from eagle3.core.records import read_jsonl
