@@ -134,7 +134,7 @@ def _epoch_metrics(path: Path) -> list[dict]:
     """04's own evaluations (eval loss, per-step accuracy, simulated acceptance) by step."""
     if not path.exists():
         return []
-    return [{k: r[k] for k in ("step", "eval_acc", "eval_sim_accept") if k in r}
+    return [{k: r[k] for k in ("step", "eval_acc", "eval_sim_accept", "eval_loop_share") if k in r}
             for r in read_jsonl(path) if "eval_sim_accept" in r]
 
 
@@ -322,8 +322,10 @@ def markdown(s: dict) -> str:
            "### Acceptance vs epochs", "",
            *_sweep_md(s, [(ckpt_label(k), k) for k in ckpts]
                       + [(f"final (step {num_steps}, epoch {epochs})", "main")]),
-           "04's own per-epoch evaluation (simulated acceptance): "
-           + ", ".join(f"step {m['step']}: {m['eval_sim_accept']:.2f}"
+           "04's own per-epoch evaluation (acceptance estimate: verify rounds, full-vocabulary "
+           "argmax): "
+           + ", ".join(f"step {m['step']}: {_f(m.get('eval_sim_accept'), '{:.2f}')} (loop share "
+                       f"{_f(m.get('eval_loop_share'), '{:.0%}')})"
                        for m in s.get("epoch_metrics") or []), "",
            "### Controls (meant to collapse; must be detected)", "", *_controls_md(s)]
     state = s.get("state") or {}
