@@ -2,7 +2,9 @@
 """Stage 03: the draft vocabulary (`d2t`/`t2d`) from supervised tokens of the train split.
 
 Reads `<workdir>/01c_merged/train.jsonl`; writes `<workdir>/03_vocab/vocab_mapping.safetensors`
-and `report.json` (coverage at 8K/16K/32K/64K and at the chosen size, top tokens).
+and `report.json` (coverage at 8K/16K/32K/64K and at the chosen size, the chosen size's coverage
+of target-written and of dataset-written supervised tokens apart, top tokens); warns when
+dataset-written text (recipes with "regenerate": false) chose part of the vocabulary.
 
 Tiny target (demo):
     python 03_build_vocab_mapping.py --workdir runs/demo --target runs/demo/target \
@@ -14,6 +16,7 @@ Real run:
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +28,8 @@ from eagle3.core.records import count_jsonl
 from eagle3.core.stage import (STAGE_DIRS, atomic_save_safetensors, atomic_write_json, open_stage,
                                require_upstream)
 from eagle3.core.target import TRUST_HELP, check_remote_code, load_tokenizer, read_target_info
-from eagle3.vocab.mapping import build_mapping, count_supervised, report, select_hot_ids
+from eagle3.vocab.mapping import (build_mapping, count_supervised_by_origin,
+                                  regenerated_datasets, report, select_hot_ids)
 
 STAGE = STAGE_DIRS["03"]
 UPSTREAM = STAGE_DIRS["merge"]
@@ -55,23 +59,33 @@ def main(argv: list[str] | None = None) -> int:
     src = cfg.workdir / UPSTREAM / "train.jsonl"
     stage.add_input(src)
     bar = progress(total=count_jsonl(src), desc="03 count", unit="rec")
-    counts = count_supervised(src, info.vocab_size, bar)
+    by_origin = count_supervised_by_origin(src, info.vocab_size,
+                                           regenerated_datasets(cfg.workdir), bar)
+    counts = by_origin.sum(0)
     bar.close()
     hot = select_hot_ids(counts, cfg.draft_vocab)
     mapping = build_mapping(hot, info.vocab_size)
     atomic_save_safetensors(mapping, stage.dir / "vocab_mapping.safetensors")
-    rep = report(counts, hot, load_tokenizer(cfg.target, cfg.trust_remote_code))
+    rep = report(counts, hot, load_tokenizer(cfg.target, cfg.trust_remote_code),
+                 by_origin=by_origin)
+    for warning in rep["warnings"]:
+        logging.getLogger("03_vocab").warning(warning)
     atomic_write_json(stage.dir / "report.json", rep)
     stage.finish(outputs={"draft_vocab": cfg.draft_vocab, "target_vocab": info.vocab_size,
-                          "coverage": rep["coverage"]})
+                          "coverage": rep["coverage"],
+                          "coverage_by_origin": rep["coverage_by_origin"]})
     rows = {"supervised tokens": rep["supervised_tokens"],
             "distinct ids seen": rep["distinct_ids_seen"],
             f"coverage at {cfg.draft_vocab} (chosen)": f"{rep['coverage']:.4f}"}
+    for origin, c in rep["coverage_by_origin"].items():
+        rows[f"coverage of {origin}-written tokens"] = (f"{c['coverage']:.4f} "
+                                                        f"({c['supervised_tokens']} tokens)")
     for size, share in rep["coverage_at"].items():
         rows[f"coverage at {int(size) // 1024}K"] = f"{share:.4f}"
     rows["top tokens"] = json.dumps([t["token"] for t in rep["top_tokens"][:10]],
                                     ensure_ascii=False)[:120]
     rows["report"] = str(stage.dir / "report.json")
+    rows.update({f"WARNING {i + 1}": w for i, w in enumerate(rep["warnings"])})
     rows["time"] = human_seconds(time.time() - t0)
     print(format_summary("03 vocab mapping", rows))
     return 0

@@ -2,8 +2,9 @@
 """Stage 04: train the EAGLE-3 draft and export it for SGLang (and vLLM's speculators format).
 
 Reads `<workdir>/02b_hidden_states/{train,eval}/`, `<workdir>/03_vocab/vocab_mapping.safetensors`
-and, from the target's safetensors files (through the index), only its embedding and the lm_head
-rows of the draft vocabulary. Writes checkpoints to `<workdir>/04_train/checkpoints/step_NNNNNN/`
+and, from the target's safetensors files (through the index), only its embedding and its lm_head
+(the draft-vocabulary rows teach the draft; the whole head gives the evaluation's
+full-vocabulary argmax). Writes checkpoints to `<workdir>/04_train/checkpoints/step_NNNNNN/`
 (re-running the same command resumes at the exact batch), `metrics.jsonl`, `plots/*.png`,
 `tensorboard/` (when installed), the SGLang draft folder `<workdir>/04_train/final/` and the
 speculators-format folder `<workdir>/04_train/final_speculators/`.
@@ -32,8 +33,8 @@ from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.draft.speculators import export_speculators
 from eagle3.core.stage import STAGE_DIRS, open_stage, read_manifest, require_upstream
 from eagle3.core.target import load_embedding, load_lm_head, read_target_info
-from eagle3.train.loop import (TrainConfig, TrainData, build_draft, build_draft_config,
-                          build_runtime, train)
+from eagle3.train.loop import (TrainConfig, TrainData, acceptance_note, build_draft,
+                               build_draft_config, build_runtime, train)
 from eagle3.train.log import plot_metrics
 from eagle3.vocab.mapping import hot_ids_from_d2t, vocab_sha256
 
@@ -86,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     mapping = load_file(str(cfg.workdir / STAGE_DIRS["03"] / "vocab_mapping.safetensors"))
     dcfg = build_draft_config(cfg, info, mapping["d2t"].numel(), capture_layers)
     draft = build_draft(dcfg, cfg.seed, mapping["d2t"], mapping["t2d"])
-    teacher = load_lm_head(cfg.target, hot_ids_from_d2t(mapping["d2t"]))  # [draft_vocab, Ht]
+    lm_head = load_lm_head(cfg.target)  # [target_vocab, Ht]: the eval's full argmax
+    teacher = lm_head[hot_ids_from_d2t(mapping["d2t"])]  # [draft_vocab, Ht]
     embed = load_embedding(cfg.target)
     data = load_data(cfg, stage_dir, dist_info.is_main, mapping["d2t"])
     summary = train(cfg, stage_dir, data, draft, embed, teacher,
-                    build_runtime(cfg, device, dist_info))
+                    build_runtime(cfg, device, dist_info), lm_head)
     distributed.shutdown()
     if not dist_info.is_main:
         return 0
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             "data wait": f"{100 * summary['data_wait']:.1f}%",
             "padding": f"{100 * summary['padding']:.1f}%",
             "eval acc per step": str([round(a, 3) for a in summary.get("eval_acc", [])]),
-            "eval simulated acceptance": round(summary.get("eval_sim_accept", 0.0), 3),
+            f"eval acceptance estimate ({cfg.ttt_steps} steps)": acceptance_note(summary),
             "layers": describe_layers(layer_ids_for(capture_layers, cfg.sglang_version)),
             "draft (SGLang)": str(stage_dir / "final"),
             "draft (vLLM)": str(vllm_dir),

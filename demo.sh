@@ -9,6 +9,10 @@ W=${1:-runs/demo}
 T=$W/target
 export PYTHONUNBUFFERED=1
 
+# The target has random weights: its greedy output loops, and a draft accepted on loops has
+# learned nothing. 04 and 05 print the loop share and the loop-free acceptance beside every
+# acceptance figure; read those. (`--pretrain` trains the target on the demo text first,
+# eagle3/tiny/pretrain.py; its effect on the demo's figures is not measured yet.)
 python -m eagle3.tiny.target --out "$T" --arch "${EAGLE3_TINY_ARCH:-deepseek_v3}"
 python 01_prepare_datasets.py --recipe datasets/demo.json --workdir "$W" --target "$T"
 python 01b_generate_synthetic.py --workdir "$W" --target "$T" --backend hf --max-new-tokens 48

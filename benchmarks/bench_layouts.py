@@ -30,7 +30,7 @@ from eagle3.core import hidden_states as hs
 from eagle3.core.target import load_lm_head
 from eagle3.train.data import list_files
 from eagle3.vocab.mapping import hot_ids_from_d2t
-from reference.loop_share import loop_mask, loop_stats
+from eagle3.bench.loops import loop_mask, loop_stats
 from reference.stages import linked_workdir, script_module
 
 # run name -> (02b --dtype, 04 --topk-teacher, run whose 02b files it trains from)

@@ -109,12 +109,15 @@ def main(argv=None) -> int:
         g = torch.Generator().manual_seed(3)
         embed = (torch.randn(dcfg.vocab_size, dcfg.hidden_size, generator=g) * 0.02)
         teacher = torch.randn(dcfg.draft_vocab_size, dcfg.hidden_size, generator=g) * 0.02
+        # the whole lm_head (its draft rows: d2t is 0) for the eval's full-vocabulary argmax
+        lm_head = torch.cat([teacher, torch.randn(dcfg.vocab_size - dcfg.draft_vocab_size,
+                                                  dcfg.hidden_size, generator=g) * 0.02])
         rt = loop.build_runtime(cfg, device, DistInfo())
         evals, saves = [], []
         loop._run_eval, loop._save = timed(loop._run_eval, evals), timed(loop._save, saves)
         t = time.perf_counter()
         summary = loop.train(cfg, tmp / "04_train", data, draft, embed.to(torch.bfloat16),
-                             teacher.to(torch.bfloat16), rt)
+                             teacher.to(torch.bfloat16), rt, lm_head.to(torch.bfloat16))
         wall = time.perf_counter() - t
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

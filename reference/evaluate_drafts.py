@@ -32,7 +32,7 @@ from eagle3.core.stage import atomic_write_json
 from eagle3.core.target import load_embedding, load_hf_model, load_tokenizer
 from reference.controls import (FinalStateProposer, final_state_layers, layer_similarity,
                                 shifted_layers)
-from reference.loop_share import loop_stats
+from eagle3.bench.loops import loop_stats
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class DraftEvaluator:
         bar.close()
         outputs = [r.output_ids for r in results]
         return {**offline_summary(results, base["output_ids"], steps, base["tok_s"],
-                                  spec.temperature),
+                                  spec.temperature, self.eos),
                 "tokens": sum(len(o) for o in outputs),
                 "loop": loop_stats(outputs, self.eos).to_dict(),
                 "wall_s": time.perf_counter() - t0, "output_ids": outputs}

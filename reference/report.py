@@ -87,7 +87,7 @@ def stage_throughput(record: dict, workdir: Path) -> dict:
 
 def bench_summary(results: dict | None) -> dict | None:
     """The 05 figures (hf backend) with the loop share of its outputs."""
-    from reference.loop_share import loop_stats
+    from eagle3.bench.loops import loop_stats
 
     if not results:
         return None
@@ -137,7 +137,7 @@ def _epoch_metrics(path: Path) -> list[dict]:
     """04's own evaluations (eval loss, per-step accuracy, simulated acceptance) by step."""
     if not path.exists():
         return []
-    return [{k: r[k] for k in ("step", "eval_acc", "eval_sim_accept") if k in r}
+    return [{k: r[k] for k in ("step", "eval_acc", "eval_sim_accept", "eval_loop_share") if k in r}
             for r in read_jsonl(path) if "eval_sim_accept" in r]
 
 
@@ -352,8 +352,10 @@ def markdown(s: dict) -> str:
            "### Acceptance vs epochs", "",
            *_sweep_md(s, [(ckpt_label(k), k) for k in ckpts]
                       + [(f"final (step {num_steps}, epoch {epochs})", "main")]),
-           "04's own per-epoch evaluation (simulated acceptance): "
-           + ", ".join(f"step {m['step']}: {m['eval_sim_accept']:.2f}"
+           "04's own per-epoch evaluation (acceptance estimate: verify rounds, full-vocabulary "
+           "argmax): "
+           + ", ".join(f"step {m['step']}: {_f(m.get('eval_sim_accept'), '{:.2f}')} (loop share "
+                       f"{_f(m.get('eval_loop_share'), '{:.0%}')})"
                        for m in s.get("epoch_metrics") or []), "",
            "### Llama-style vs MLA draft (same states, same prompts)", "", *_arch_md(s),
            "### Controls (meant to collapse; must be detected)", "", *_controls_md(s)]

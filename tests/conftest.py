@@ -32,6 +32,14 @@ def target_model(tiny_target_dir):
 
 
 @pytest.fixture(scope="session")
+def demo_target_model(demo_run):
+    """The demo's own target (pretrained on the demo text, unlike `target_model`)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo_run / "target").eval()
+
+
+@pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
     """The README's demo (demo.sh) run once into a temp work directory."""
     workdir = tmp_path_factory.mktemp("demo") / "run"

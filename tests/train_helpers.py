@@ -112,7 +112,8 @@ def run_tiny(data_root: Path, out_dir: Path, dist: DistInfo | None = None,
     cfg = tiny_config(out_dir, **overrides)
     draft, embed, teacher = tiny_parts()
     rt = build_runtime(cfg, torch.device("cpu"), dist or DistInfo())
-    summary = train(cfg, Path(out_dir), load_tiny_data(data_root), draft, embed, teacher, rt)
+    summary = train(cfg, Path(out_dir), load_tiny_data(data_root), draft, embed, teacher, rt,
+                    tiny_lm_head()[0])
     return summary, draft
 
 

@@ -1,11 +1,12 @@
 """Stage 05 report: `report.md` tables and PNG plots from `results.json`.
 
-SGLang results: per prompt set, one row per concurrency level (acceptance length, speedup,
-tokens/s in total and per request, TTFT) and two plots, speedup and acceptance length against
-concurrency. vLLM results: the same table and plots, acceptance from vLLM's `/metrics`
+SGLang results: per prompt set, one row per concurrency level (acceptance length, loop share,
+speedup, tokens/s in total and per request, TTFT) and two plots, speedup and acceptance length
+against concurrency. vLLM results: the same table and plots, acceptance from vLLM's `/metrics`
 counters (1 + accepted / drafts) with the tokens per verify round counted from the outputs, the
 per-position acceptance and the loop share beside it. Offline (hf) results: per prompt set,
-one row per chain length and a plot of the acceptance length against the chain length.
+one row per chain length (acceptance length, loop share, loop-free acceptance, ...) and a plot
+of the acceptance length against the chain length.
 """
 
 from __future__ import annotations
@@ -13,14 +14,23 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from eagle3.bench.loops import MAX_PERIOD, MIN_REPEATS, MIN_SPAN
 from eagle3.core.stage import atomic_write_bytes
 
-MEASURED = """How these figures are measured (our own requests only): total tok/s = sum of
+LOOP_RULE = (f"eagle3/bench/loops.py: a unit of 1-{MAX_PERIOD} tokens repeated >= {MIN_REPEATS} "
+             f"times over >= {MIN_SPAN} tokens")
+
+MEASURED = f"""How these figures are measured (our own requests only): total tok/s = sum of
 completion_tokens / wall time of the level; per-request tok/s = mean of completion_tokens /
 client latency; TTFT = client time to the first streamed chunk carrying a token; acceptance
 length = sum(completion_tokens) / sum(spec_verify_ct); speedup = speculative total tok/s /
-baseline total tok/s at the same concurrency. Each level sends max(prompts, 2 x concurrency)
-requests, prompts cycled."""
+baseline total tok/s at the same concurrency; loop share = share of output tokens inside
+repetition loops ({LOOP_RULE}), where a draft's acceptance is inflated. Each level sends
+max(prompts, 2 x concurrency) requests, prompts cycled."""
+
+LOOPS = f"""Loop share: share of generated tokens inside repetition loops ({LOOP_RULE}), where
+any draft is accepted trivially. Loop-free acceptance: the acceptance length over the verify rounds before each output's first
+loop; when the two acceptance figures differ, the loop-free one is what the draft has learned."""
 
 
 def _f(x, fmt: str = ".2f", scale: float = 1.0) -> str:
@@ -61,13 +71,14 @@ def _sglang_markdown(results: dict) -> str:
               f"{results.get('stream')}", ""]
     for name, levels in results["prompt_sets"].items():
         lines += [f"## {name} ({results.get('prompts', {}).get(name, '?')} prompts)", "",
-                  "| concurrency | acceptance length | speedup | spec tok/s | baseline tok/s | "
-                  "spec tok/s per request | baseline tok/s per request | TTFT spec / baseline "
-                  "(ms) |", "|---|---|---|---|---|---|---|---|"]
+                  "| concurrency | acceptance length | loop share | speedup | spec tok/s | "
+                  "baseline tok/s | spec tok/s per request | baseline tok/s per request | "
+                  "TTFT spec / baseline (ms) |", "|---|---|---|---|---|---|---|---|---|"]
         for c, row in levels.items():
             s, b = row["speculative"], row["baseline"] or {}
             lines.append(
-                f"| {c} | {_f(s['acceptance_length'], '.3f')} | {_speedup(row['speedup'])} | "
+                f"| {c} | {_f(s['acceptance_length'], '.3f')} | "
+                f"{_f(s.get('loop_share'), '.3f')} | {_speedup(row['speedup'])} | "
                 f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
                 f"{_f(s['per_request_tok_s'], '.1f')} | {_f(b.get('per_request_tok_s'), '.1f')} | "
                 f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)} |")
@@ -112,18 +123,22 @@ def _vllm_markdown(results: dict) -> str:
 
 def _offline_markdown(results: dict) -> str:
     lines = _header(results, "05 benchmark (offline, hf backend)")
-    lines += ["", "| prompt set | temperature | steps | acceptance length | per-position acceptance"
-              " | spec tok/s | baseline tok/s | speedup | lossless |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| prompt set | temperature | steps | acceptance length | loop share | "
+              "loop-free acceptance (rounds) | per-position acceptance | spec tok/s | "
+              "baseline tok/s | speedup | lossless |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["prompt_sets"].items():
         for s, m in r["steps"].items():
             rates = ", ".join(f"{x:.2f}" for x in m["per_position_acceptance"])
             mism = m["lossless_mismatches"]
             lossless = "n/a (sampling)" if mism is None else ("yes" if mism == 0 else "NO")
             lines.append(f"| {name} | {r.get('temperature', 0.0)} | {s} | "
-                         f"{m['acceptance_length']:.3f} | {rates} | {m['tok_s']:.1f} | "
+                         f"{m['acceptance_length']:.3f} | {_f(m.get('loop_share'), '.3f')} | "
+                         f"{_f(m.get('loop_free_acceptance'), '.3f')} "
+                         f"({m.get('loop_free_verify_passes', '-')}) | {rates} | "
+                         f"{m['tok_s']:.1f} | "
                          f"{r['baseline_tok_s']:.1f} | {m['speedup']:.2f} | {lossless} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", LOOPS]) + "\n"
 
 
 def summary_rows(results: dict) -> tuple[dict, dict, bool]:
@@ -133,20 +148,33 @@ def summary_rows(results: dict) -> tuple[dict, dict, bool]:
         if results["backend"] == "hf":
             for s, m in r["steps"].items():
                 outputs.setdefault(s, m["acceptance_length"])
+                outputs.setdefault("loops", {}).setdefault(s, {
+                    "loop_share": m.get("loop_share"),
+                    "loop_free_acceptance": m.get("loop_free_acceptance")})
                 ok &= not m["lossless_mismatches"]
                 lossless = ("n/a (sampling)" if m["lossless_mismatches"] is None
                             else m["lossless_mismatches"] == 0)
                 rows[f"{name} steps {s}: acceptance length"] = (
-                    f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), lossless: {lossless}")
+                    f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), {loop_note(m)}, "
+                    f"lossless: {lossless}")
             continue
         ok &= not results.get("lossless_mismatches")  # vLLM: speculative == plain at T=0
         for c, row in r.items():
             acc = row["speculative"]["acceptance_length"]
             outputs[f"{name} c={c}"] = acc or 0.0
             slower = " (SLOWER than no draft)" if (row["speedup"] or 0) < 1 else ""
-            rows[f"{name} c={c}"] = (f"acceptance {acc or 0:.3f}, speedup "
+            loops = row["speculative"].get("loop_share")
+            rows[f"{name} c={c}"] = (f"acceptance {acc or 0:.3f} (loop share "
+                                     f"{_f(loops, '.0%')}), speedup "
                                      f"{row['speedup'] or 0:.2f}x{slower}")
     return outputs, rows, ok
+
+
+def loop_note(m: dict) -> str:
+    """`loop share 88%, loop-free acceptance 1.000 (12 rounds)` of one offline result."""
+    free = m.get("loop_free_acceptance")
+    return (f"loop share {_f(m.get('loop_share'), '.0%')}, loop-free acceptance "
+            f"{_f(free, '.3f')} ({m.get('loop_free_verify_passes', 0)} rounds)")
 
 
 def write_plots(results: dict, out_dir: Path) -> list[Path]:

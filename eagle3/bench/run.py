@@ -5,7 +5,9 @@ chain speculative decoding for each step count, per prompt. At temperature 0 the
 output must equal greedy decoding token for token; at temperature > 0 it is speculative sampling
 (eagle3/bench/evaluate.py). Acceptance is aggregated the way SGLang reports it: committed tokens over
 verify passes, over all prompts, plus the per-position acceptance rate (share of verify passes
-that accepted at least i draft tokens). Every output's token ids are kept (loop analysis).
+that accepted at least i draft tokens). Every output's token ids are kept; next to every
+acceptance length stand the loop share of the outputs and the acceptance of the rounds before
+each output's first loop (eagle3/bench/loops.py).
 
 SGLang (`measure_server`): for each prompt set and concurrency level, `max(prompts, 2 x
 concurrency)` requests (prompts cycled) go to `/generate` with at most `concurrency` in flight.
@@ -20,6 +22,8 @@ How each figure is measured, on our own requests only:
   None without streaming;
 - acceptance length: `sum(completion_tokens) / sum(spec_verify_ct)` over the requests whose
   `meta_info` has `spec_verify_ct` (SGLang omits it for a request that never ran a verify pass);
+- loop share: share of the output tokens inside repetition loops (eagle3/bench/loops.py); the
+  loop-free acceptance needs per-round lengths, which SGLang does not report;
 - speedup: speculative total tok/s / baseline total tok/s at the same prompt set and concurrency.
 """
 
@@ -38,6 +42,7 @@ import torch
 
 from eagle3.bench.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
                              speculative_decode)
+from eagle3.bench.loops import loop_stats, loop_summary
 from eagle3.bench.prompts import PromptSet
 from eagle3.core.server import ServerError
 
@@ -76,10 +81,12 @@ def run_offline(model, draft, embed, prompt_set: PromptSet, steps_list: list[int
     out = {"prompts": len(prompt_set.prompts), "prompt_ids": prompt_set.ids,
            "temperature": temperature, "baseline_tokens": base_tokens,
            "baseline_tok_s": base_tokens / max(sum(r.seconds for r in base), 1e-9),
-           "baseline_outputs": [r.output_ids for r in base], "steps": {}}
+           "baseline_outputs": [r.output_ids for r in base],
+           "baseline_loop_share": loop_stats([r.output_ids for r in base], eos).share,
+           "steps": {}}
     for s, results in spec.items():
         out["steps"][str(s)] = _offline_steps(results, base, s, out["baseline_tok_s"],
-                                              temperature)
+                                              temperature, eos)
     return out
 
 
@@ -91,10 +98,13 @@ def sampling_generator(seed: int, prompt_index: int) -> torch.Generator:
 
 
 def offline_summary(results, baseline_outputs: list[list[int]], steps: int,
-                    baseline_tok_s: float, temperature: float) -> dict:
-    """Acceptance length (tokens per verify round), per-position acceptance, tok/s, speedup and
-    (greedy only) outputs that differ from plain decoding, for one step count's decode results
-    (`speculative_decode` answers, one per prompt, in the baseline's order)."""
+                    baseline_tok_s: float, temperature: float,
+                    eos: set[int] | None = None) -> dict:
+    """Acceptance length (tokens per verify round), per-position acceptance, tok/s, speedup,
+    (greedy only) outputs that differ from plain decoding, and the loop share and loop-free
+    acceptance beside them (eagle3/bench/loops.py; a trailing `eos` id is not counted), for one
+    step count's decode results (`speculative_decode` answers, one per prompt, in the
+    baseline's order)."""
     lengths = [a for r in results for a in r.accept_lengths]
     tok_s = sum(len(r.output_ids) for r in results) / max(sum(r.seconds for r in results), 1e-9)
     mismatches = None  # sampling: outputs differ from the baseline's by design
@@ -110,12 +120,15 @@ def offline_summary(results, baseline_outputs: list[list[int]], steps: int,
         "tok_s": tok_s,
         "speedup": tok_s / baseline_tok_s,
         "lossless_mismatches": mismatches,
+        **loop_summary([r.output_ids for r in results], [r.accept_lengths for r in results],
+                       eos),
     }
 
 
-def _offline_steps(results, base, steps: int, base_tok_s: float, temperature: float) -> dict:
+def _offline_steps(results, base, steps: int, base_tok_s: float, temperature: float,
+                   eos: set[int]) -> dict:
     return {**offline_summary(results, [g.output_ids for g in base], steps, base_tok_s,
-                              temperature),
+                              temperature, eos),
             "outputs": [r.output_ids for r in results],
             "accept_lengths": [r.accept_lengths for r in results]}
 
@@ -267,6 +280,7 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
         "spec_verify_ct": verify_ct,
         "requests_without_verify_ct": len(records) - len(verified),
         "cached_tokens": sum(r.cached_tokens for r in records),
+        "loop_share": loop_stats([r.output_ids for r in records]).share,
     }
 
 

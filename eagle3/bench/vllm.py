@@ -298,7 +298,7 @@ def measure_vllm_server(url: str, role: str, prompt_sets, concurrencies: list[in
                         load: LoadSettings, model: str, sink=None, bar=None,
                         warmup_tokens: int = 16) -> dict:
     """{prompt set: {concurrency: summary + acceptance figures}} of one vLLM server."""
-    from reference.loop_share import loop_stats  # the loop-share definition (one home)
+    from eagle3.bench.loops import loop_stats  # the loop-share definition (one home)
 
     send = completion_sender(model)
 

@@ -26,10 +26,22 @@ def _outputs(stage: str, m: dict) -> str:
     if stage == STAGE_DIRS["03"]:
         return f"draft vocab {out.get('draft_vocab')}, coverage {out.get('coverage', 0):.3f}"
     if stage == STAGE_DIRS["04"]:
-        return f"{out.get('num_steps')} steps, eval sim-accept {out.get('eval_sim_accept', 0):.2f}"
+        return (f"{out.get('num_steps')} steps, eval acceptance estimate "
+                f"{_num(out.get('eval_sim_accept'))} (loop share "
+                f"{_num(out.get('eval_loop_share'), '.0%')}, loop-free "
+                f"{_num(out.get('eval_sim_accept_loop_free'))})")
     if stage == STAGE_DIRS["05"]:
-        return ", ".join(f"acceptance length @{k} steps: {v:.3f}" for k, v in out.items())
+        loops = out.get("loops", {})
+        return ", ".join(
+            f"acceptance length @{k} steps: {v:.3f}"
+            + (f" (loop share {_num(loops[k].get('loop_share'), '.0%')}, loop-free "
+               f"{_num(loops[k].get('loop_free_acceptance'))})" if k in loops else "")
+            for k, v in out.items() if k != "loops")
     return json.dumps(out)[:60]
+
+
+def _num(x, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def summary_table(workdir: Path) -> str:

@@ -4,7 +4,9 @@ Only the safetensors header is read (shapes and dtypes), so a multi-GB draft is 
 milliseconds. SGLang loads weights by name and silently leaves any name it does not know randomly
 initialised, so every expected name and shape is checked, and which capture layers the config's
 `eagle_aux_hidden_state_layer_ids` name on each release (`eagle3/draft/layers.py`).
-`check_vocab_coverage`: the share of supervised eval tokens the draft vocabulary can propose.
+`check_vocab_coverage`: the share of supervised eval tokens the draft vocabulary can propose,
+over the target-written ones where the eval split has any (eagle3/vocab/mapping.py
+`record_origin`): dataset-written text is not what serving proposes.
 An MLA draft (`Eagle3DeepseekV2ForCausalLM`) is checked by its own rules too
 (`eagle3/draft/check_mla.py`).
 """
@@ -263,8 +265,15 @@ def check_draft_for_run(draft_dir: Path, target_dir: Path | None = None,
     eval_path = Path(workdir) / "01c_merged" / "eval.jsonl" if workdir is not None else None
     if eval_path is not None and eval_path.is_file() and not any(
             p.level == "error" for p in problems):
-        coverage, warnings = check_vocab_coverage(load_t2d(draft_dir), read_jsonl(eval_path))
-        log.info("draft vocabulary covers %.1f%% of supervised eval tokens", 100 * coverage)
+        from eagle3.vocab.mapping import record_origin, regenerated_datasets
+
+        regenerated = regenerated_datasets(workdir)
+        records = list(read_jsonl(eval_path))
+        written = [r for r in records if record_origin(r, regenerated) == "target"]
+        basis = "target-written" if written else "(none target-written: all)"
+        coverage, warnings = check_vocab_coverage(load_t2d(draft_dir), written or records)
+        log.info("draft vocabulary covers %.1f%% of %s supervised eval tokens", 100 * coverage,
+                 basis)
         problems += warnings
     ids = (read_draft_config(draft_dir).get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")

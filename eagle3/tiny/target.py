@@ -4,7 +4,12 @@ Built by the project itself, deterministically, in seconds, so that every stage 
 without a model hub. The folder it writes loads through `AutoTokenizer.from_pretrained` and
 `AutoModelForCausalLM.from_pretrained` exactly as a real target would.
 
-    python -m eagle3.tiny.target --out runs/demo/target
+    python -m eagle3.tiny.target --out runs/demo/target             # random weights (tests)
+    python -m eagle3.tiny.target --out runs/demo/target --pretrain  # trained on the demo text
+
+Random weights make greedy decoding loop from the first token, so a draft's acceptance against
+them measures nothing; `--pretrain` (the demo's) trains the same architecture briefly on the
+demo's conversations (eagle3/tiny/pretrain.py) so that the target has learned behaviour.
 
 The chat template has the shape of Kimi-K2.5's: a `tool_declare` system turn, role headers
 `<|im_user|>user<|im_middle|>`, turns closed by `<|im_end|>`, reasoning as `<think>…</think>`
@@ -199,34 +204,57 @@ def build_model(cfg: TinyTargetConfig, vocab_size: int):
     return model.eval()
 
 
-def make_tiny_target(out_dir: Path, cfg: TinyTargetConfig | None = None) -> Path:
-    """Write tokenizer + model to `out_dir` (idempotent: an existing complete folder is kept)."""
+def make_tiny_target(out_dir: Path, cfg: TinyTargetConfig | None = None,
+                     pretrain=None) -> Path:
+    """Write tokenizer + model to `out_dir` (idempotent: an existing complete folder is kept).
+
+    `pretrain`: a `PretrainConfig` to train the model on the demo text first (None: random
+    weights)."""
     cfg = cfg or TinyTargetConfig()
     out_dir = Path(out_dir)
     marker = out_dir / "tiny_target.json"
-    if marker.exists() and json.loads(marker.read_text()) == cfg.__dict__:
+    wanted = {**cfg.__dict__, "pretrain": None if pretrain is None else pretrain.__dict__}
+    if marker.exists() and _marker_key(json.loads(marker.read_text())) == wanted:
         log.info("tiny target already at %s", out_dir)
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(cfg)
     tokenizer.save_pretrained(out_dir)
     model = build_model(cfg, vocab_size=len(tokenizer))
+    trained = None
+    if pretrain is not None:
+        from eagle3.tiny.pretrain import pretrain as run_pretrain
+
+        trained = run_pretrain(model, tokenizer, pretrain)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
-    marker.write_text(json.dumps(cfg.__dict__, indent=1))
+    marker.write_text(json.dumps({**wanted, "pretrain_result": trained}, indent=1))
     log.info("tiny target written to %s (%d parameters)", out_dir, model.num_parameters())
     return out_dir
 
 
+def _marker_key(marker: dict) -> dict:
+    """The part of tiny_target.json that names what was built (not how long it took)."""
+    return {"pretrain": None, **{k: v for k, v in marker.items() if k != "pretrain_result"}}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from eagle3.tiny.pretrain import PretrainConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the target to")
     parser.add_argument("--arch", default=TinyTargetConfig.arch, choices=ARCHS,
                         help="model architecture (default %(default)s; see eagle3/tiny/archs.py)")
+    parser.add_argument("--pretrain", action="store_true",
+                        help="train the target on the demo text first (CPU, minutes; default: "
+                             "random weights, whose greedy output loops)")
+    parser.add_argument("--pretrain-steps", type=int, default=PretrainConfig.steps,
+                        help="optimizer steps of --pretrain (default %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    make_tiny_target(args.out, TinyTargetConfig(arch=args.arch))
+    make_tiny_target(args.out, TinyTargetConfig(arch=args.arch),
+                     pretrain=PretrainConfig(steps=args.pretrain_steps) if args.pretrain else None)
     return 0
 
 

@@ -24,7 +24,7 @@ def metrics_line(m: dict, num_steps: int, eta_s: float) -> str:
     step = m["step"]
     accs = "/".join(f"{a:.2f}" for a in m["acc"])
     return (f"step {step:05d}/{num_steps:05d} ({100 * step / max(num_steps, 1):.1f}%) | "
-            f"loss {m['loss']:.4f} | acc {accs} | sim-accept {m['sim_accept']:.2f} | "
+            f"loss {m['loss']:.4f} | acc {accs} | "
             f"lr {m['lr']:.1e} | gnorm {m['grad_norm']:.2f} | dt {m['dt_ms']:.0f}ms | "
             f"tok/s {m['tok_s']:,.0f} | data-wait {100 * m['data_wait']:.0f}% | "
             f"pad {100 * m['padding']:.0f}% | eta {human_seconds(eta_s)}")
@@ -96,7 +96,7 @@ def cut_after(path: Path, step: int) -> None:
 
 
 def plot_metrics(path: Path, out_dir: Path) -> list[Path]:
-    """PNG plots of loss, per-step accuracy, simulated acceptance, lr and throughput."""
+    """PNG plots of loss, per-step accuracy, the eval acceptance estimate, lr and throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,8 +115,7 @@ def plot_metrics(path: Path, out_dir: Path) -> list[Path]:
          [("train", [r["loss"] for r in train])]),
         ("accuracy.png", "top-1 accuracy per TTT step",
          [(f"train step {k}", [r["acc"][k] for r in train]) for k in range(len(train[0]["acc"]))]),
-        ("sim_accept.png", "simulated acceptance length",
-         [("train", [r["sim_accept"] for r in train])]),
+        ("sim_accept.png", "acceptance estimate (eval: verify rounds, full-vocab argmax)", []),
         ("lr.png", "learning rate", [("lr", [r["lr"] for r in train])]),
         ("throughput.png", "tokens/s (all ranks)", [("tok/s", [r["tok_s"] for r in train])]),
     ]
@@ -130,8 +129,11 @@ def plot_metrics(path: Path, out_dir: Path) -> list[Path]:
                 ax.plot([r["step"] for r in evals], [r["eval_acc"][k] for r in evals], "o--",
                         label=f"eval step {k}")
         if name == "sim_accept.png" and evals:
-            ax.plot([r["step"] for r in evals], [r["eval_sim_accept"] for r in evals], "o--",
-                    label="eval")
+            for key, style, label in (("eval_sim_accept", "o--", "eval"),
+                                      ("eval_sim_accept_loop_free", "x:",
+                                       "eval, rounds before the first loop")):
+                ys = [float("nan") if r.get(key) is None else r[key] for r in evals]
+                ax.plot([r["step"] for r in evals], ys, style, label=label)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from eagle3.train import distributed
+from eagle3.train.acceptance import AcceptanceEstimate
 from eagle3.train.checkpoint import check_data_position, load_latest, save_checkpoint, set_rng_state
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict
 from eagle3.train.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan, list_files,
@@ -224,25 +225,32 @@ def _raise_if_nonfinite(flag: torch.Tensor) -> None:
 
 @torch.no_grad()
 def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainConfig,
-             rt: Runtime, width: int, topk: int = 0) -> dict:
-    """Mean per-step loss and accuracy and simulated acceptance over the eval split."""
+             rt: Runtime, width: int, estimate: AcceptanceEstimate, topk: int = 0) -> dict:
+    """Mean per-step loss and accuracy over the eval split, and the acceptance estimate
+    (verify rounds against the target's full-vocabulary argmax: eagle3/train/acceptance.py)."""
     n = min(len(files), cfg.max_eval_samples)
     rows = pack_epoch(lengths[:n], width, cfg.max_seq_len, cfg.seed, 0, shuffle=False)
     mine = rows[rt.dist.rank::rt.dist.world]
     loader = make_loader(PackedRows(files, mine, width, cfg.max_seq_len, topk),
                          min(cfg.num_workers, len(mine)), rt.device.type == "cuda")
     stats = torch.zeros(num_stats(cfg.ttt_steps), device=rt.device)
+    estimate.sums.zero_()
     model.eval()
     for batch in loader:
         batch = {k: v.to(rt.device) for k, v in batch.items()}
+        masks = model.build_masks(batch["doc_ids"])
         with rt.autocast():
-            _, s = model(*_batch_args(batch), masks=model.build_masks(batch["doc_ids"]),
-                         topk=_topk_arg(batch))
+            _, s = model(*_batch_args(batch), masks=masks, topk=_topk_arg(batch))
+            steps_logits = model.unroll(batch["input_ids"], batch["doc_ids"], batch["positions"],
+                                        batch["aux"], masks)
         stats += s
+        estimate.add(model.draft, steps_logits, batch["input_ids"], batch["loss_mask"],
+                     batch["doc_ids"], batch["final"])
     model.train()
     m = stats_dict(distributed.all_reduce_sum(stats), cfg.ttt_steps)
+    sums = distributed.all_reduce_sum(estimate.sums.to(rt.device)).cpu()
     return {"eval_loss": m["loss_steps"], "eval_acc": m["acc"],
-            "eval_sim_accept": m["sim_accept"]}
+            **{f"eval_{k}": v for k, v in AcceptanceEstimate.result(sums).items()}}
 
 
 # ---------------------------------------------------------------- the loop
@@ -303,11 +311,14 @@ class TrainRun:
     feed: DevicePrefetcher
     metrics: MetricsLog
     clock: WindowClock
+    estimate: AcceptanceEstimate  # the eval's acceptance estimate (holds the whole lm_head)
 
 
 def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
-          embed_VH: torch.Tensor, teacher_VdH: torch.Tensor, rt: Runtime) -> dict:
-    """Train `draft` in place (checkpoints under `out_dir/checkpoints`); returns the summary."""
+          embed_VH: torch.Tensor, teacher_VdH: torch.Tensor, rt: Runtime,
+          lm_head_VH: torch.Tensor) -> dict:
+    """Train `draft` in place (checkpoints under `out_dir/checkpoints`); returns the summary.
+    `lm_head_VH` (the target's whole lm_head) serves only the evaluation's acceptance estimate."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     width = row_width(cfg.max_seq_len, cfg.pack_tokens,
                       max(data.train_lengths + data.eval_lengths))
@@ -315,9 +326,10 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
                       rt.dist.world, cfg.grad_accum)
     num_steps = plan.num_steps
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, int(0.03 * num_steps))
+    compute_dtype = torch.bfloat16 if rt.bf16 else torch.float32
     model = TTTModel(draft, embed_VH, teacher_VdH, cfg.ttt_steps, cfg.step_weight, rt.attention,
-                     torch.bfloat16 if rt.bf16 else torch.float32,
-                     cfg.topk_teacher).to(rt.device)
+                     compute_dtype, cfg.topk_teacher).to(rt.device)
+    estimate = AcceptanceEstimate(lm_head_VH, draft.t2d, rt.device, compute_dtype)
     optimizer = build_optimizer(draft, cfg, rt.device)
     state, window_saved, resumed = _maybe_resume(cfg, out_dir, draft, optimizer, plan)
     ddp = distributed.wrap(model, rt.dist, rt.device)
@@ -334,7 +346,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     ema = torch.tensor(state.ema_loss, device=rt.device)
     bad_step = torch.tensor(state.nonfinite_step, device=rt.device)
     run = TrainRun(cfg, rt, Path(out_dir), data, plan, width, draft, optimizer, model, ddp,
-                   forward, feed, metrics, WindowClock(time.perf_counter()))
+                   forward, feed, metrics, WindowClock(time.perf_counter()), estimate)
     start_step, last_eval = state.step, state.last_eval
     log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d, "
              "%s attention, %s", num_steps, cfg.epochs, plan.rows_per_step, width,
@@ -435,12 +447,25 @@ def _run_eval(run: TrainRun, step: int) -> dict:
     if not data.eval_files:
         return {}
     result = evaluate(run.model, data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width,
-                      data.teacher_topk)
-    log.info("eval step %d | loss %s | acc %s | sim-accept %.2f", step,
+                      run.estimate, data.teacher_topk)
+    log.info("eval step %d | loss %s | acc %s | %s", step,
              [round(x, 3) for x in result["eval_loss"]],
-             [round(a, 3) for a in result["eval_acc"]], result["eval_sim_accept"])
+             [round(a, 3) for a in result["eval_acc"]], acceptance_note(result))
     run.metrics.write({"step": step, **result})
     return result
+
+
+def acceptance_note(result: dict) -> str:
+    """`sim-accept 1.52 (loop share 0%, loop-free 1.50; data greedy 100%, greedy in draft vocab
+    97%)` from an evaluation's result."""
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    return (f"sim-accept {f(result.get('eval_sim_accept'), '.3f')} (loop share "
+            f"{f(result.get('eval_loop_share'), '.0%')}, loop-free "
+            f"{f(result.get('eval_sim_accept_loop_free'), '.3f')}; data greedy "
+            f"{f(result.get('eval_greedy_share'), '.0%')}, greedy in draft vocab "
+            f"{f(result.get('eval_greedy_in_draft_vocab'), '.0%')})")
 
 
 def _log_window(run: TrainRun, step: int, window: Window, ema, grad_norm, lr: float) -> int:
@@ -454,7 +479,7 @@ def _log_window(run: TrainRun, step: int, window: Window, ema, grad_norm, lr: fl
     elapsed = max(now - clock.t, 1e-9)
     rows = window.rows * rt.dist.world
     rec = {"step": step, "loss": float(ema) / (1 - 0.9 ** step), "loss_steps": m["loss_steps"],
-           "acc": m["acc"], "sim_accept": m["sim_accept"], "lr": lr,
+           "acc": m["acc"], "lr": lr,
            "grad_norm": float(grad_norm), "tokens": tokens,
            "dt_ms": 1000 * elapsed / max(window.steps, 1), "tok_s": tokens / elapsed,
            "data_wait": (run.feed.wait_s - clock.wait_s) / elapsed,

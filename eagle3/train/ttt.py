@@ -10,9 +10,9 @@ the targets, so the last prompt position (the first the draft serves) is trained
 t+1+k lies outside t's sequence. Step k's mean loss is scaled by `step_weight ** k`.
 
 Metrics stay on the device (no host sync per micro-step): per step the summed CE, the number of
-anchors whose argmax equals the target's argmax, and the summed weight; plus the simulated
-acceptance: for each anchor with a step-0 target, 1 + the number of leading steps that hit
-(what greedy chain verification would accept when the draft reads the true prefix).
+anchors whose argmax equals the teacher's argmax (over the draft vocabulary: the training
+target, not what serving accepts), and the summed weight. The acceptance estimate, which walks
+verify rounds against the target's full-vocabulary argmax, is eagle3/train/acceptance.py.
 """
 
 from __future__ import annotations
@@ -59,17 +59,15 @@ def shift_rows(x_BT: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
 
 
 def num_stats(steps: int) -> int:
-    return 3 * steps + 2
+    return 3 * steps
 
 
 def stats_dict(stats: torch.Tensor, steps: int) -> dict:
-    """Per-step mean loss and accuracy, and simulated acceptance, from summed stats (host)."""
+    """Per-step mean loss and accuracy from summed stats (host)."""
     s = stats.double().cpu().tolist()
     ce, hits, weight = s[0:steps], s[steps:2 * steps], s[2 * steps:3 * steps]
-    accept_sum, anchors = s[3 * steps], s[3 * steps + 1]
     return {"loss_steps": [c / max(w, 1.0) for c, w in zip(ce, weight)],
             "acc": [h / max(w, 1.0) for h, w in zip(hits, weight)],
-            "sim_accept": accept_sum / max(anchors, 1.0),
             "supervised": weight[0]}
 
 
@@ -122,7 +120,7 @@ class TTTModel(nn.Module):
 
     def forward(self, input_ids, loss_mask, doc_ids, positions, aux, final, masks=None,
                 topk=None):
-        """(weighted loss, stats `[3K+2]`) of one packed batch; shapes `[B, T]`, aux
+        """(weighted loss, stats `[3K]`) of one packed batch; shapes `[B, T]`, aux
         `[B, T, 3Ht]`, final `[B, T, Ht]`; `topk`: the batch's stored top-k teacher (a dict,
         see eagle3/train/teacher.py), None when no file of the run stores one."""
         B, T = input_ids.shape
@@ -132,8 +130,6 @@ class TTTModel(nn.Module):
         teacher_p, teacher_top = teacher.p_BTV, teacher.top_BT
         total = torch.zeros((), device=input_ids.device)
         ce_sums, hit_sums, weight_sums = [], [], []
-        chain = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-        accept = torch.zeros((), device=input_ids.device)
         for k, logits in enumerate(self.unroll(input_ids, doc_ids, positions, aux, masks)):
             n = 1 + k  # this step read token t+n and is scored against the target at t+n
             same_seq = (shift_rows(doc_ids, n, -2) == doc_ids) & (doc_ids >= 0)
@@ -151,12 +147,8 @@ class TTTModel(nn.Module):
             total = total + (self.step_weight ** k) * ce_sum / w_sum.clamp(min=1.0)
             with torch.no_grad():
                 hit = (logits.argmax(-1) == teacher_top[:, n:]) & weight
-                chain = torch.cat([chain[:, : T - n] & hit, torch.zeros_like(chain[:, T - n:])], 1)
-                if k == 0:
-                    accept = accept + w_sum  # every anchor with a step-0 target counts 1
-                accept = accept + chain.sum()
             ce_sums.append(ce_sum.detach())
             hit_sums.append(hit.sum().float())
             weight_sums.append(w_sum)
-        stats = torch.stack([*ce_sums, *hit_sums, *weight_sums, accept, weight_sums[0]])
+        stats = torch.stack([*ce_sums, *hit_sums, *weight_sums])
         return total, stats

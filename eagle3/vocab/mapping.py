@@ -5,17 +5,27 @@ is True for the ids in the draft vocabulary. The draft vocabulary is the `draft_
 seen most often among `loss_mask == 1` tokens (ties broken by the lower id), sorted ascending,
 padded with the lowest unused ids when fewer are seen. Counting streams the merged JSONL with a
 `[target_vocab]` counter: memory is O(vocab), not O(data).
+
+Origin of a record's supervised tokens: `target` when the target wrote them (01b regenerated
+the reply: `finish_reason` "stop" or "length"), `dataset` when they are a dataset's own text
+(`finish_reason` "dataset": recipes with `"regenerate": false`). A record the merge cut
+(`finish_reason` "truncated") takes its dataset's origin from 01b's manifest. Serving proposes
+the target's tokens, so the coverage that predicts acceptance is that of target-written tokens;
+the report gives it apart, and warns when dataset-written text chose part of the vocabulary.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from eagle3.core.records import read_jsonl
+
+ORIGINS = ("target", "dataset", "unknown")
 
 COVERAGE_SIZES = (8192, 16384, 32768, 65536)
 
@@ -24,14 +34,42 @@ class VocabError(ValueError):
     """A vocabulary request that cannot be met; the message names the flag."""
 
 
+def regenerated_datasets(workdir: Path) -> dict[str, bool]:
+    """{dataset: regenerated} from `<workdir>/01b_generated/manifest.json` ({} without one)."""
+    path = Path(workdir) / "01b_generated" / "manifest.json"
+    if not path.is_file():
+        return {}
+    datasets = json.loads(path.read_text()).get("outputs", {}).get("datasets", {})
+    return {name: bool(c.get("regenerate")) for name, c in datasets.items()}
+
+
+def record_origin(rec: dict, regenerated: dict[str, bool]) -> str:
+    """`target`, `dataset` or `unknown`: who wrote the record's supervised tokens."""
+    reason = rec.get("finish_reason")
+    if reason == "dataset":
+        return "dataset"
+    if reason in ("stop", "length"):
+        return "target"
+    if rec.get("source") in regenerated:
+        return "target" if regenerated[rec["source"]] else "dataset"
+    return "unknown"
+
+
 def count_supervised(path: Path, target_vocab: int, bar=None,
                      chunk_tokens: int = 1 << 20) -> np.ndarray:
-    """Occurrences of each target id among supervised tokens of a tokenized JSONL.
+    """Occurrences of each target id among supervised tokens of a tokenized JSONL."""
+    return count_supervised_by_origin(path, target_vocab, {}, bar, chunk_tokens).sum(0)
+
+
+def count_supervised_by_origin(path: Path, target_vocab: int, regenerated: dict[str, bool],
+                               bar=None, chunk_tokens: int = 1 << 20) -> np.ndarray:
+    """`[len(ORIGINS), target_vocab]`: occurrences of each target id among supervised tokens,
+    per origin (`record_origin`).
 
     Streams the file; supervised ids are buffered up to `chunk_tokens` and then counted with one
     `bincount`, so memory is O(target_vocab + chunk_tokens) whatever the file size.
     """
-    counts = np.zeros(target_vocab, dtype=np.int64)
+    counts = np.zeros((len(ORIGINS), target_vocab), dtype=np.int64)
     pending: list[np.ndarray] = []
     buffered = 0
     for rec in read_jsonl(path):
@@ -43,16 +81,21 @@ def count_supervised(path: Path, target_vocab: int, bar=None,
         if ids.size and (ids.max() >= target_vocab or ids.min() < 0):
             raise VocabError(f"record {rec.get('id')}: token id {ids.max()} outside the target "
                              f"vocab of {target_vocab} (wrong --target?)")
-        pending.append(ids[mask])
+        # one id space per origin: id + origin * target_vocab
+        pending.append(ids[mask] + ORIGINS.index(record_origin(rec, regenerated)) * target_vocab)
         buffered += pending[-1].size
         if buffered >= chunk_tokens:
-            counts += np.bincount(np.concatenate(pending), minlength=target_vocab)
+            counts += _bincount(pending, counts.shape)
             pending, buffered = [], 0
         if bar is not None:
             bar.update(1)
     if pending:
-        counts += np.bincount(np.concatenate(pending), minlength=target_vocab)
+        counts += _bincount(pending, counts.shape)
     return counts
+
+
+def _bincount(pending: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+    return np.bincount(np.concatenate(pending), minlength=shape[0] * shape[1]).reshape(shape)
 
 
 def select_hot_ids(counts: np.ndarray, draft_vocab: int) -> np.ndarray:
@@ -93,8 +136,33 @@ def coverage(counts: np.ndarray, sizes=COVERAGE_SIZES) -> dict[int, float]:
     return {k: float(ranked[: min(k, ranked.size)].sum() / total) for k in sizes}
 
 
-def report(counts: np.ndarray, hot_ids: np.ndarray, tokenizer=None, top: int = 50) -> dict:
-    """Coverage at several sizes and at the chosen size, plus the most frequent tokens."""
+def origin_report(by_origin: np.ndarray, hot_ids: np.ndarray) -> tuple[dict, list[str]]:
+    """({origin: {supervised_tokens, coverage}}, warnings) of per-origin counts."""
+    out, warnings = {}, []
+    for name, c in zip(ORIGINS, by_origin):
+        n = int(c.sum())
+        if n:
+            out[name] = {"supervised_tokens": n, "coverage": float(c[hot_ids].sum() / n)}
+    total = max(int(by_origin.sum()), 1)
+    for name in ("dataset", "unknown"):
+        if name in out:
+            share = out[name]["supervised_tokens"] / total
+            target = out.get("target", {}).get("coverage")
+            warnings.append(
+                f"{share:.0%} of the supervised tokens that chose the draft vocabulary are "
+                + ("dataset-written (recipes with \"regenerate\": false): the target never wrote "
+                   "them, so their coverage says nothing of what serving proposes"
+                   if name == "dataset" else "of unknown origin (no 01b manifest names their "
+                   "dataset)")
+                + (f"; coverage of target-written tokens: {target:.4f}" if target is not None
+                   else "; no target-written tokens: regenerate the data with the target"))
+    return out, warnings
+
+
+def report(counts: np.ndarray, hot_ids: np.ndarray, tokenizer=None, top: int = 50,
+           by_origin: np.ndarray | None = None) -> dict:
+    """Coverage at several sizes and at the chosen size (per origin when `by_origin` is
+    given), plus the most frequent tokens."""
     total = int(counts.sum())
     chosen = float(counts[hot_ids].sum() / max(total, 1))
     order = np.lexsort((np.arange(counts.size), -counts))[:top]
@@ -110,4 +178,6 @@ def report(counts: np.ndarray, hot_ids: np.ndarray, tokenizer=None, top: int = 5
         "coverage": chosen,
         "coverage_at": {str(k): v for k, v in coverage(counts).items()},
         "top_tokens": top_tokens,
+        **(dict(zip(("coverage_by_origin", "warnings"), origin_report(by_origin, hot_ids)))
+           if by_origin is not None else {}),
     }

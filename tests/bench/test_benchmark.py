@@ -294,7 +294,8 @@ def test_offline_report_marks_sampling_runs_as_not_token_checked():
         "temperature": 1.0, "baseline_tok_s": 10.0, "steps": {"3": {
             "acceptance_length": 2.5, "per_position_acceptance": [0.9, 0.5, 0.1], "tok_s": 20.0,
             "speedup": 2.0, "lossless_mismatches": None}}}}}
-    assert "| eval | 1.0 | 3 | 2.500 | 0.90, 0.50, 0.10 | 20.0 | 10.0 | 2.00 | n/a (sampling) |" \
+    assert ("| eval | 1.0 | 3 | 2.500 | - | - (-) | 0.90, 0.50, 0.10 | 20.0 | 10.0 | 2.00 | "
+            "n/a (sampling) |") \
         in report_markdown(results)
 
 

@@ -26,7 +26,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 import torch
 
 VLLM_FIELDS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "topk_method": "noaux_tc",

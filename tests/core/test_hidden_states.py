@@ -34,7 +34,8 @@ def _close(stored: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((stored.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all())
 
 
-def test_files_match_independent_forward_at_capture_layers(demo_run, target_model):
+def test_files_match_independent_forward_at_capture_layers(demo_run, demo_target_model):
+    target_model = demo_target_model
     files = list_files(demo_run / "02b_hidden_states/train")
     records = list(read_jsonl(demo_run / "01c_merged/train.jsonl"))
     for path in files[:6]:

@@ -82,3 +82,13 @@ def test_kept_records_supervise_only_assistant_content_and_its_end_token(demo_ru
         assert sum(1 for t, m in zip(ids, mask) if t == im_end and not m) >= 2  # system, user
         checked += 1
     assert checked > 10
+
+
+def test_n_response_tokens_counts_supervised_tokens_when_a_record_has_two_turns():
+    from eagle3.core.records import TokenizedRecord
+
+    # prompt 3 tokens, reply 2 (supervised), user turn 2, reply 3 (supervised)
+    mask = [0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
+    rec = TokenizedRecord("d/0", "d", list(range(10)), mask, 3, "dataset").to_json()
+    assert rec["n_response_tokens"] == 5 == sum(mask)
+    assert rec["n_prompt_tokens"] + rec["n_response_tokens"] == 8 != rec["seq_len"] == 10

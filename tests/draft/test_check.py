@@ -206,3 +206,32 @@ def test_load_t2d_reads_the_exported_mapping(tmp_path):
     t2d[hot] = True
     draft.set_vocab_mapping(hot - torch.arange(10), t2d)
     assert load_t2d(export_sglang(draft, tmp_path / "d")).tolist() == t2d.tolist()
+
+
+def test_preflight_coverage_counts_target_written_eval_tokens_when_there_are_any(tmp_path,
+                                                                                caplog):
+    import logging
+
+    from eagle3.draft.check import check_draft_for_run
+    from eagle3.draft.export import export_sglang
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
+
+    cfg = DraftConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=32, vocab_size=40, draft_vocab_size=8,
+                      target_hidden_size=16, capture_layers=[2, 4, 5])
+    draft = Eagle3Draft(cfg)
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[:8] = True
+    draft.set_vocab_mapping(torch.zeros(8, dtype=torch.int64), t2d)
+    export_sglang(draft, tmp_path / "draft")
+    inside, outside = 3, 30
+    (tmp_path / "01c_merged").mkdir()
+    recs = [{"id": "chat/0", "source": "chat", "finish_reason": "stop",
+             "input_ids": [inside, outside], "loss_mask": [1, 1]},
+            {"id": "tools/0", "source": "tools", "finish_reason": "dataset",
+             "input_ids": [inside] * 8, "loss_mask": [1] * 8}]
+    (tmp_path / "01c_merged/eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    caplog.set_level(logging.INFO)
+    problems, _ = check_draft_for_run(tmp_path / "draft", None, tmp_path)
+    assert "covers 50.0% of target-written supervised eval tokens" in caplog.text
+    assert any("50.0%" in p.message for p in problems)  # below 90 %: warned

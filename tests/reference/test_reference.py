@@ -12,38 +12,12 @@ import torch
 from reference import build_corpus as bc
 from reference.controls import (FinalStateProposer, detect_eagle_mistake, detect_shifted_layers,
                                 final_state_layers, shifted_layers)
-from reference.loop_share import find_output_ids, loop_mask, loop_stats
+from reference.loop_share import find_output_ids
 from reference.stages import subset_workdir
 from reference.train_target import (PRESETS, ExpertBalancer, build_model, lr_at, packed_rows,
                                     parameter_counts)
 
 # ---------------------------------------------------------------- loop share
-
-
-def test_loop_mask_marks_a_unit_repeated_four_times_when_span_is_long_enough():
-    seq = [90, 91] + [1, 2, 3, 4] * 4 + [92, 93]
-    mask = loop_mask(seq)
-    assert mask == [False, False] + [True] * 16 + [False, False]
-
-
-def test_loop_mask_ignores_a_block_seen_only_twice():
-    block = [1, 2, 3, 4, 5, 6, 7, 8]
-    assert not any(loop_mask(block + block))  # two copies of an 8-token unit: not a loop
-
-
-def test_loop_mask_ignores_short_runs_of_one_token():
-    seq = [5, 6, 7] + [0] * 11 + [8, 9]  # 11 < the 12-token minimum span
-    assert not any(loop_mask(seq))
-    assert sum(loop_mask([5] + [0] * 12)) == 12
-
-
-def test_loop_stats_counts_over_all_outputs_and_drops_a_trailing_eos():
-    looping = [7] + [1, 2, 3] * 5 + [99]  # 15 loop tokens, eos 99 not counted
-    clean = list(range(20))
-    stats = loop_stats([looping, clean], eos={99})
-    assert (stats.tokens, stats.loop_tokens, stats.looping_outputs) == (36, 15, 1)
-    assert stats.first_loop == [1, None]
-    assert stats.share == pytest.approx(15 / 36)
 
 
 def test_find_output_ids_collects_every_output_list_in_nested_results():

@@ -102,3 +102,40 @@ def test_report_gives_coverage_at_each_size_and_the_top_tokens():
     assert rep["coverage_at"]["8192"] == pytest.approx((30000 + 8191) / total)
     assert rep["coverage_at"]["65536"] == pytest.approx((30000 + 65535) / total)
     assert [t["token"] for t in rep["top_tokens"]] == ["<5>", "<0>", "<1>"]
+
+
+def test_record_origin_tells_target_from_dataset_text_when_the_merge_cut_a_record():
+    from eagle3.vocab.mapping import record_origin
+
+    regenerated = {"chat": True, "tools": False}
+    assert record_origin({"source": "tools", "finish_reason": "dataset"}, regenerated) == "dataset"
+    assert record_origin({"source": "chat", "finish_reason": "stop"}, {}) == "target"
+    assert record_origin({"source": "chat", "finish_reason": "length"}, {}) == "target"
+    assert record_origin({"source": "chat", "finish_reason": "truncated"}, regenerated) == "target"
+    assert record_origin({"source": "tools", "finish_reason": "truncated"},
+                         regenerated) == "dataset"
+    assert record_origin({"source": "x", "finish_reason": "truncated"}, regenerated) == "unknown"
+
+
+def test_report_gives_coverage_per_origin_and_warns_when_dataset_text_chose_the_vocab(tmp_path):
+    from eagle3.vocab.mapping import count_supervised_by_origin, report
+
+    recs = [{"id": "chat/0", "source": "chat", "finish_reason": "stop",
+             "input_ids": [1, 2, 3, 3], "loss_mask": [0, 1, 1, 1]},
+            {"id": "tools/0", "source": "tools", "finish_reason": "dataset",
+             "input_ids": [1, 7, 7, 7, 8], "loss_mask": [0, 1, 1, 1, 1]}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    by_origin = count_supervised_by_origin(path, 10, {"chat": True, "tools": False})
+    assert by_origin.sum(0).tolist() == count_supervised(path, 10).tolist()
+    hot = select_hot_ids(by_origin.sum(0), 2)  # 7 (3), 3 (2): 2 and 8 left out
+    rep = report(by_origin.sum(0), hot, by_origin=by_origin)
+    assert rep["coverage"] == pytest.approx(5 / 7)
+    assert rep["coverage_by_origin"] == {
+        "target": {"supervised_tokens": 3, "coverage": pytest.approx(2 / 3)},
+        "dataset": {"supervised_tokens": 4, "coverage": pytest.approx(3 / 4)}}
+    assert len(rep["warnings"]) == 1 and "57% of the supervised tokens" in rep["warnings"][0]
+    assert "target-written tokens: 0.6667" in rep["warnings"][0]
+    only_target = count_supervised_by_origin(path, 10, {})[:, :]
+    only_target[1:] = 0
+    assert report(only_target.sum(0), hot, by_origin=only_target)["warnings"] == []
