@@ -30,7 +30,7 @@ from eagle3.core import hidden_states as hs
 from eagle3.core.target import load_lm_head
 from eagle3.train.data import list_files
 from eagle3.vocab.mapping import hot_ids_from_d2t
-from eagle3.bench.loops import loop_mask, loop_stats
+from eagle3.bench.loops import loop_stats, loop_summary
 from reference.stages import linked_workdir, script_module
 
 # run name -> (02b --dtype, 04 --topk-teacher, run whose 02b files it trains from)
@@ -77,16 +77,9 @@ def tail_mass(bf16_workdir: Path, target: Path) -> dict:
 
 
 def loop_free_acceptance(step: dict) -> float | None:
-    """Tokens per verify round over the rounds none of whose tokens lie in a repetition loop
-    (reference/loop_share.py); None when every round touches a loop."""
-    tokens = rounds = 0
-    for out, lengths in zip(step["outputs"], step["accept_lengths"]):
-        mask, pos = loop_mask(list(out)), len(out) - sum(lengths)  # the first token: prefill
-        for a in lengths:
-            if not any(mask[pos:pos + a]):
-                tokens, rounds = tokens + a, rounds + 1
-            pos += a
-    return tokens / rounds if rounds else None
+    """Acceptance over the rounds before each output's first loop: the library's one definition
+    (eagle3/bench/loops.py), as 05 reports it; None when no such round exists."""
+    return loop_summary(step["outputs"], step["accept_lengths"])["loop_free_acceptance"]
 
 
 def measure(name: str, demo: Path, target: Path, out: Path, topk: int, epochs: int) -> dict:
