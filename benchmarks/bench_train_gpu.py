@@ -18,6 +18,10 @@ Configurations (each runs on its own; a failure is recorded and the next one run
   ddp2          the faster of the two on 2 GPUs (torchrun --nproc-per-node 2)
   curve         not in the default list: the loss of --curve-steps compiled steps on 4 fixed
                 learnable batches, fixed seed (run it under two code versions to compare)
+Suffixes, in any order after the name: `+fp8` trains with FP8 GEMMs (04's --fp8-gemm on:
+eagle3/train/fp8.py), `+seed1` initialises the draft from seed 1 instead of 0 (for a curve: the
+seed-to-seed spread a code change's curve is set against), `@T` sets this row's tokens per
+micro-step (else --seq); e.g. `flex+compile+fp8@8192`, `curve+fp8`.
 --profile adds, for flex / flex+compile, the kernel time of 2 profiled steps by category and the
 GEMMs' FLOP rate. Compiling costs ~45 s per row width and config (T = 4096, H200): budget
 ~90 s for a compiled row, and about 0.33 s per curve step on top.
@@ -50,6 +54,7 @@ from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
 from eagle3.draft.mla import build_draft_model
 from eagle3.draft.model import DraftConfig
 from eagle3.train.flops import micro_step_flops
+from eagle3.train.fp8 import use_fp8_gemms
 from eagle3.core.stage import atomic_torch_save
 from eagle3.train.ttt import TTTModel
 
@@ -98,18 +103,23 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- setup
 
 
-def build(args, device: torch.device, compile_forward: bool, arch: str = "llama"):
+def build(args, device: torch.device, compile_forward: bool, arch: str = "llama",
+          fp8: bool = False, seed: int = 0):
     """(model, optimizer, forward) at the benchmark dimensions, synthetic weights."""
     mla = (TINY_MLA if args.tiny else KIMI_MLA) if arch == "mla" else {}
     cfg = DraftConfig(**{**(TINY if args.tiny else KIMI), **mla})
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):
         draft = build_draft_model(cfg)
         for p in draft.parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
+    torch.manual_seed(0)  # the frozen tensors below are the same for every seed
+    with torch.device(device):
         embed = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16) * 0.02
         teacher = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, dtype=torch.bfloat16) * 0.02
+    if fp8:
+        use_fp8_gemms(draft)
     cuda = device.type == "cuda"
     model = TTTModel(draft, embed, teacher, args.ttt_steps, 0.8, "flex" if cuda else "naive",
                      torch.bfloat16 if cuda else torch.float32)
@@ -148,11 +158,12 @@ def write_files(cfg: DraftConfig, seq: int, n: int, root: Path) -> list[Path]:
 
 
 def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
-        dist_info: distributed.DistInfo | None = None, arch: str = "llama") -> dict:
+        dist_info: distributed.DistInfo | None = None, arch: str = "llama",
+        fp8: bool = False) -> dict:
     """Time `args.steps` optimizer steps (after `args.warmup`); one micro-step per step."""
     dist_info = dist_info or distributed.DistInfo()
     cuda = device.type == "cuda"
-    model, optimizer, cfg = build(args, device, compile_forward, arch)
+    model, optimizer, cfg = build(args, device, compile_forward, arch, fp8)
     ddp = distributed.wrap(model, dist_info, device)
     forward = torch.compile(ddp) if compile_forward else ddp
     total = args.warmup + args.steps
@@ -214,6 +225,7 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
            "train_flops_per_step": flops,
            "mfu_vs_989T": flops * args.steps / seconds / H200_BF16_PEAK,
            "final_loss": float(state["loss"]), "attention": model.attention, "arch": arch,
+           "fp8_gemm": fp8, "seq": args.seq,
            "draft_params": sum(p.numel() for p in model.draft.parameters())}
     if use_loader:
         out["data_wait_share"] = (feed.wait_s - wait0) / seconds
@@ -296,13 +308,13 @@ def learnable_batch(cfg: DraftConfig, seq: int, seed: int, device) -> dict:
     return {k: v.to(device) for k, v in b.items()}
 
 
-def loss_curve(args, device: torch.device) -> dict:
+def loss_curve(args, device: torch.device, fp8: bool = False, seed: int = 0) -> dict:
     """The loss of `--curve-steps` optimizer steps of the compiled trainer step, fixed seed,
     cycling over 4 fixed learnable batches (compare two code versions' curves step by step)."""
     from eagle3.train.ttt import stats_dict
 
     cuda = device.type == "cuda"
-    model, optimizer, cfg = build(args, device, cuda)
+    model, optimizer, cfg = build(args, device, cuda, fp8=fp8, seed=seed)
     forward = torch.compile(model) if cuda else model
     batches = [learnable_batch(cfg, args.seq, i, device) for i in range(4)]
     masks = [model.build_masks(b["doc_ids"], compile_mask=cuda) for b in batches]
@@ -319,7 +331,8 @@ def loss_curve(args, device: torch.device) -> dict:
         losses.append(loss.detach())
         stats.append(st.detach())
     last = stats_dict(torch.stack(stats[-8:]).sum(0), args.ttt_steps)
-    return {"losses": torch.stack(losses).tolist(), "last8_train_acc": last["acc"]}
+    return {"losses": torch.stack(losses).tolist(), "last8_train_acc": last["acc"],
+            "fp8_gemm": fp8, "seed": seed, "seq": args.seq}
 
 
 def count_syncs(fn) -> int:
@@ -335,16 +348,27 @@ def count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def gemm_tflops(device: torch.device) -> float:
-    """A plain bf16 8192^3 GEMM's rate on this GPU (the attainable ceiling for MFU)."""
+def gemm_tflops(device: torch.device, fp8: bool = False) -> float:
+    """A plain 8192^3 GEMM's rate on this GPU, bf16 (the attainable ceiling for MFU) or e4m3
+    with per-row scales (the kernel FP8 training runs)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    if fp8:
+        qa, qb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        sa = torch.ones(8192, 1, device=device)
+        sb = torch.ones(1, 8192, device=device)
+
+        def mm():
+            return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    else:
+        def mm():
+            return a @ b
     for _ in range(3):
-        a @ b
+        mm()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(20):
-        a @ b
+        mm()
     torch.cuda.synchronize()
     return 20 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
 
@@ -392,12 +416,15 @@ def main(argv=None) -> int:
                "configs": {}}
     if cuda:
         results["gemm_bf16_tflops"] = gemm_tflops(device)
+        results["gemm_fp8_rowwise_tflops"] = attempt(
+            lambda: {"tflops": gemm_tflops(device, fp8=True)}, "fp8 GEMM").get("tflops")
     t0 = time.perf_counter()
     for name in args.configs:
         if time.perf_counter() - t0 > args.budget_s:
             results["configs"][name] = {"skipped": f"time budget of {args.budget_s:.0f}s spent"}
             continue
         results["configs"][name] = run_config(args, name, device, results)
+    results["curve_gaps"] = curve_gaps(results["configs"])
     path = Path(args.out) / "bench_train.json"
     path.write_text(json.dumps(results, indent=2))
     print(report(results))
@@ -405,26 +432,39 @@ def main(argv=None) -> int:
     return 0
 
 
+def parse_config(name: str) -> tuple[str, dict]:
+    """(base config, options) of a row name such as `flex+compile+fp8@8192` (module doc)."""
+    name, _, seq = name.partition("@")
+    parts = name.split("+")
+    opts = {"fp8": "fp8" in parts, "seed": 1 if "seed1" in parts else 0,
+            "seq": int(seq) if seq else None}
+    base = "+".join(p for p in parts if p not in ("fp8", "seed1"))
+    return base, opts
+
+
 def run_config(args, name: str, device: torch.device, results: dict) -> dict:
     """One configuration, its failure recorded instead of raised."""
+    base, opts = parse_config(name)
+    if opts["seq"]:
+        args = argparse.Namespace(**{**vars(args), "seq": opts["seq"]})
+    fp8 = opts["fp8"]
     cuda = device.type == "cuda"
     timed = {k: v for k, v in results["configs"].items()
              if "tokens_per_s_per_gpu" in v and k in ("flex", "flex+compile")}
     best = max(timed, key=lambda k: timed[k]["tokens_per_s_per_gpu"]) if timed else "flex"
-    if name == "flex+compile" and not cuda:
+    if base.endswith("+compile") and not cuda:
         return {"skipped": "torch.compile rows run on CUDA only"}
-    if name in ("flex", "flex+compile"):
-        return attempt(lambda: run(args, device, name == "flex+compile", False), name)
-    if name == "curve":
-        return attempt(lambda: loss_curve(args, device), name)
-    if name in ("mla", "mla+compile"):
-        if name == "mla+compile" and not cuda:
-            return {"skipped": "torch.compile rows run on CUDA only"}
-        return attempt(lambda: run(args, device, name == "mla+compile", False, arch="mla"), name)
-    if name == "loader":
-        out = attempt(lambda: run(args, device, best == "flex+compile", True), name)
+    if base in ("flex", "flex+compile"):
+        return attempt(lambda: run(args, device, base == "flex+compile", False, fp8=fp8), name)
+    if base == "curve":
+        return attempt(lambda: loss_curve(args, device, fp8, opts["seed"]), name)
+    if base in ("mla", "mla+compile"):
+        return attempt(lambda: run(args, device, base == "mla+compile", False, arch="mla",
+                                   fp8=fp8), name)
+    if base == "loader":
+        out = attempt(lambda: run(args, device, best == "flex+compile", True, fp8=fp8), name)
         return {"config": best, **out}
-    if name == "ddp2":
+    if base == "ddp2":
         if cuda and torch.cuda.device_count() < 2:
             return {"skipped": "fewer than 2 GPUs visible"}
         out = attempt(lambda: run_ddp(args, best, 2), name)
@@ -433,6 +473,23 @@ def run_config(args, name: str, device: torch.device, results: dict) -> dict:
                                          / timed[best]["tokens_per_s_per_gpu"])
         return {"config": best, **out}
     return {"error": f"unknown config {name!r}"}
+
+
+def curve_gaps(configs: dict) -> dict:
+    """Mean |loss difference| over the last half of the curves: a variant's curve against the
+    plain `curve` (same seed) and, for scale, seed 1's against seed 0's (plain GEMMs)."""
+    curves = {k: v["losses"] for k, v in configs.items() if "losses" in v}
+    if "curve" not in curves:
+        return {}
+    ref = curves["curve"]
+    half = len(ref) // 2
+
+    def gap(other):
+        n = min(len(ref), len(other))
+        pairs = list(zip(ref[half:n], other[half:n]))
+        return sum(abs(a - b) for a, b in pairs) / max(len(pairs), 1)
+
+    return {f"{k} vs curve": gap(v) for k, v in curves.items() if k != "curve"}
 
 
 def attempt(fn, name: str) -> dict:
@@ -451,7 +508,11 @@ def report(results: dict) -> str:
              f"TTT {results['ttt_steps']}"]
     if "gemm_bf16_tflops" in results:
         lines.append(f"plain bf16 GEMM: {results['gemm_bf16_tflops']:.0f} TFLOP/s")
-    columns = [("tokens_per_s_per_gpu", "tok/s/GPU", "{:,.0f}"), ("step_ms", "step ms", "{:.0f}"),
+    if results.get("gemm_fp8_rowwise_tflops"):
+        lines.append(f"plain e4m3 GEMM (per-row scales): "
+                     f"{results['gemm_fp8_rowwise_tflops']:.0f} TFLOP/s")
+    columns = [("seq", "T", "{}"), ("tokens_per_s_per_gpu", "tok/s/GPU", "{:,.0f}"),
+               ("step_ms", "step ms", "{:.0f}"),
                ("mfu_vs_989T", "MFU", "{:.1%}"), ("peak_memory_gib", "peak GiB", "{:.1f}"),
                ("optimizer_share", "optim", "{:.1%}"), ("data_wait_share", "data-wait", "{:.1%}"),
                ("host_syncs_per_step", "syncs", "{}"),
@@ -465,6 +526,8 @@ def report(results: dict) -> str:
         cells = [fmt.format(r[key]) if r.get(key) is not None else "-"
                  for key, _, fmt in columns]
         lines.append(f"{name:<14}" + "".join(f"{c:>11}" for c in cells))
+    for name, gap in results.get("curve_gaps", {}).items():
+        lines.append(f"curve gap {name}: mean |loss difference| over the last half {gap:.4f}")
     for name, r in results["configs"].items():
         if "losses" in r:
             lines.append(f"{name}: loss at steps 0/30/60/last "

@@ -47,9 +47,11 @@ def write_dataset(root: Path, n: int, seed: int, lengths=(12, 60), layouts=("bf1
         atomic_torch_save(data, hs.file_path(root, i))
 
 
-def tiny_parts(seed: int = 0):
-    """(draft, embed, teacher) of a 16-wide draft with a 24-id draft vocabulary."""
-    dcfg = DraftConfig(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+def tiny_parts(seed: int = 0, kv_heads: int = 1):
+    """(draft, embed, teacher) of a 16-wide draft with a 24-id draft vocabulary (`kv_heads=2`:
+    every linear layer's sizes are multiples of 16, as FP8 GEMMs need)."""
+    dcfg = DraftConfig(hidden_size=H, num_attention_heads=2, num_key_value_heads=kv_heads,
+                       head_dim=8,
                        intermediate_size=32, vocab_size=VT, draft_vocab_size=VD,
                        target_hidden_size=H, capture_layers=[2, 4, 5])
     hot = torch.arange(VD) + 3
@@ -93,7 +95,7 @@ def load_tiny_data(data_root: Path) -> TrainData:
 
 
 def run_tiny(data_root: Path, out_dir: Path, dist: DistInfo | None = None,
-             kill_at_step: int | None = None, **overrides):
+             kill_at_step: int | None = None, kv_heads: int = 1, **overrides):
     """Train the tiny draft; returns (summary, draft). `kill_at_step`: SIGKILL this process
     right after the optimizer update of that step (a crash mid-epoch, no cleanup)."""
     torch.set_num_threads(1)
@@ -110,7 +112,7 @@ def run_tiny(data_root: Path, out_dir: Path, dist: DistInfo | None = None,
 
         torch.optim.AdamW.step = step_then_die
     cfg = tiny_config(out_dir, **overrides)
-    draft, embed, teacher = tiny_parts()
+    draft, embed, teacher = tiny_parts(kv_heads=kv_heads)
     rt = build_runtime(cfg, torch.device("cpu"), dist or DistInfo())
     summary = train(cfg, Path(out_dir), load_tiny_data(data_root), draft, embed, teacher, rt,
                     tiny_lm_head()[0])

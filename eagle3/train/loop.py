@@ -36,6 +36,7 @@ from eagle3.train.distributed import DistInfo
 from eagle3.draft.mla import build_draft_model, mla_draft_config, read_mla_dims
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.train.log import MetricsLog, metrics_line
+from eagle3.train.fp8 import MODES as FP8_MODES, resolve_mode as resolve_fp8, use_fp8_gemms
 from eagle3.train.teacher import TOPK_MODES
 from eagle3.train.ttt import TTTModel, num_stats, stats_dict
 
@@ -82,6 +83,9 @@ class TrainConfig(UpstreamStageFlags):
                          choices=["auto", "flex", "naive"])
     compile: bool | None = arg(None, "torch.compile the TTT forward (the first steps compile; "
                                      "None = on for cuda, off for cpu; --no-compile = eager)")
+    fp8_gemm: str = arg("auto", "the draft's linear layers in FP8 (e4m3, per-row scales; "
+                                "eagle3/train/fp8.py): auto = on for CUDA GPUs that have FP8 "
+                                "(Ada, Hopper and newer), off on CPU", choices=list(FP8_MODES))
     tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
     sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
                                            "capture layers whose first index is not 2)")
@@ -158,6 +162,7 @@ class Runtime:
     bf16: bool
     attention: str
     compile: bool  # the training forward runs under torch.compile
+    fp8: bool = False  # the draft's linear layers (but lm_head) run FP8 GEMMs in training
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
@@ -170,7 +175,8 @@ def build_runtime(cfg: TrainConfig, device: torch.device, dist: DistInfo) -> Run
     # compiled is the fast path on CUDA (BENCHMARKS.md, training step); on CPU it only costs
     # compile time
     compile_forward = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    return Runtime(device, dist, bf16, attention, compile_forward)
+    return Runtime(device, dist, bf16, attention, compile_forward,
+                   resolve_fp8(cfg.fp8_gemm, device))
 
 
 def build_optimizer(draft: Eagle3Draft, cfg: TrainConfig, device: torch.device):
@@ -330,6 +336,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     model = TTTModel(draft, embed_VH, teacher_VdH, cfg.ttt_steps, cfg.step_weight, rt.attention,
                      compute_dtype, cfg.topk_teacher).to(rt.device)
     estimate = AcceptanceEstimate(lm_head_VH, draft.t2d, rt.device, compute_dtype)
+    fp8_layers = use_fp8_gemms(draft) if rt.fp8 else []
     optimizer = build_optimizer(draft, cfg, rt.device)
     state, window_saved, resumed = _maybe_resume(cfg, out_dir, draft, optimizer, plan)
     ddp = distributed.wrap(model, rt.dist, rt.device)
@@ -349,9 +356,11 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
                    forward, feed, metrics, WindowClock(time.perf_counter()), estimate)
     start_step, last_eval = state.step, state.last_eval
     log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d, "
-             "%s attention, %s", num_steps, cfg.epochs, plan.rows_per_step, width,
+             "%s attention, %s, GEMMs %s", num_steps, cfg.epochs, plan.rows_per_step, width,
              100 * plan.padding_share(data.train_lengths, width, cfg.max_seq_len), warmup,
-             rt.attention, "compiled" if rt.compile else "eager")
+             rt.attention, "compiled" if rt.compile else "eager",
+             f"fp8 in {len(fp8_layers)} layers (lm_head not)" if fp8_layers else
+             ("bf16" if rt.bf16 else "fp32"))
     for step in range(state.step, num_steps + 1):
         last_step = step == num_steps
         lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)
@@ -388,7 +397,8 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     return {"num_steps": num_steps, "tokens": state.tokens, **last_eval,
             "padding": plan.padding_share(data.train_lengths, width, cfg.max_seq_len),
             "tok_s": sum(r["tok_s"] for r in timed) / max(len(timed), 1),
-            "data_wait": sum(r["data_wait"] for r in timed) / max(len(timed), 1)}
+            "data_wait": sum(r["data_wait"] for r in timed) / max(len(timed), 1),
+            "fp8_gemm": rt.fp8}
 
 
 def _micro_steps(run: TrainRun, window: Window) -> torch.Tensor:

@@ -63,11 +63,29 @@ def test_bench_train_gpu_runs_its_cpu_smoke(tmp_path):
 
 def test_bench_train_gpu_curve_config_records_one_loss_per_step(tmp_path):
     out = _run(["benchmarks/bench_train_gpu.py", "--device", "cpu", "--tiny", "--seq", "256",
-                "--configs", "curve", "--curve-steps", "3", "--out", str(tmp_path)], tmp_path)
+                "--configs", "curve", "curve+fp8", "curve+seed1", "--curve-steps", "3",
+                "--out", str(tmp_path)], tmp_path)
     assert "curve: loss at steps" in out
     import json
-    curve = json.loads((tmp_path / "bench_train.json").read_text())["configs"]["curve"]
-    assert len(curve["losses"]) == 3 and all(x > 0 for x in curve["losses"])
+    result = json.loads((tmp_path / "bench_train.json").read_text())
+    curves = result["configs"]
+    assert len(curves["curve"]["losses"]) == 3 and all(x > 0 for x in curves["curve"]["losses"])
+    assert curves["curve+fp8"]["fp8_gemm"] and curves["curve+seed1"]["seed"] == 1
+    # the fp8 curve is its own (the GEMMs round differently) and so is seed 1's
+    assert curves["curve+fp8"]["losses"] != curves["curve"]["losses"]
+    assert set(result["curve_gaps"]) == {"curve+fp8 vs curve", "curve+seed1 vs curve"}
+
+
+def test_bench_train_gpu_row_suffixes_set_fp8_and_the_row_width(tmp_path):
+    out = _run(["benchmarks/bench_train_gpu.py", "--device", "cpu", "--tiny", "--steps", "1",
+                "--warmup", "1", "--seq", "128", "--configs", "flex+fp8@64", "flex",
+                "--out", str(tmp_path)], tmp_path)
+    import json
+    rows = json.loads((tmp_path / "bench_train.json").read_text())["configs"]
+    assert rows["flex+fp8@64"]["fp8_gemm"] and rows["flex+fp8@64"]["seq"] == 64
+    assert not rows["flex"]["fp8_gemm"] and rows["flex"]["seq"] == 128
+    assert rows["flex+fp8@64"]["train_flops_per_step"] < rows["flex"]["train_flops_per_step"]
+    assert "flex+fp8@64" in out
 
 
 def test_bench_train_stage_times_the_loop_with_eval_and_checkpoint(tmp_path):

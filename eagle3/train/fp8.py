@@ -1,0 +1,137 @@
+"""FP8 GEMMs for training the draft: the draft's linear layers in float8 e4m3 with per-row scales.
+
+Each training-mode `nn.Linear` of the draft that `use_fp8_gemms` converts computes its three
+GEMMs (the forward `y = x W^T`, the input gradient `g W` and the weight gradient `g^T x`) with
+`torch._scaled_mm` on float8 e4m3 operands. Every operand is scaled along the GEMM's contraction
+dimension, one scale per row of the result it feeds ("rowwise"): row m of `x` and row n of `W`
+for the forward; row m of `g` and column k of `W` for the input gradient; column n of `g` and
+column k of `x` for the weight gradient. A scale is `amax / 448` (e4m3's largest value), so no
+value saturates. Products accumulate in fp32 inside the GEMM; the result is written in the
+activation dtype (bf16 under autocast) and the weight gradient in the parameter's dtype.
+
+What stays in higher precision: the master weights and the optimizer (fp32), what the backward
+saves (the bf16 input, not its fp8 copy: no more memory than the bf16 path), attention, norms,
+the loss and the draft's `lm_head` (its logits feed the soft cross-entropy directly). Eval mode
+(04's evaluation, the acceptance estimate) and the exported draft use the plain bf16/fp32
+GEMMs: what an engine serves is the same checkpoint in bf16.
+
+The fp8 path equals a float64 simulation of the same quantisation (tests/train/test_fp8.py); what
+it costs in loss and acceptance is measured in BENCHMARKS.md (training step, FP8 GEMMs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+ALIGN = 16  # _scaled_mm: every dimension a multiple of 16
+MODES = ("auto", "on", "off")
+SKIPPED = ("lm_head",)  # module names kept out of FP8 (see the module doc)
+
+
+def fp8_supported(device: torch.device) -> str | None:
+    """Why FP8 GEMMs cannot run on `device` (None when they can)."""
+    if device.type == "cpu":
+        return None  # torch's CPU _scaled_mm: correct but slow (tests)
+    if device.type != "cuda":
+        return f"FP8 GEMMs need a CUDA or CPU device, not {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper); this GPU is " \
+               f"{major}.{minor}"
+    return None
+
+
+def resolve_mode(mode: str, device: torch.device) -> bool:
+    """Whether 04 trains with FP8 GEMMs: `auto` = on for CUDA GPUs that have them, off on CPU;
+    `on` on a device without them is an error naming the flag."""
+    if mode not in MODES:
+        raise ValueError(f"--fp8-gemm {mode!r}: expected one of {MODES}")
+    if mode == "off":
+        return False
+    why = fp8_supported(device)
+    if mode == "on" and why:
+        raise ValueError(f"--fp8-gemm on: {why}; use --fp8-gemm off")
+    return why is None and (mode == "on" or device.type == "cuda")
+
+
+def quantize_rows(t_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 `[M, K]` row-major, fp32 scale `[M, 1]`) with `t ~= q * scale` row by row."""
+    t = t_MK.float()
+    amax = t.abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(amax, min=1e-12) / E4M3_MAX
+    q = torch.clamp(t / scale, -E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
+    return q, scale
+
+
+def _scaled_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b^T` from high-precision operands, each quantised along K (rows of a and b). The
+    GEMM writes bf16 (the one output dtype of rowwise-scaled CUDA kernels), cast to `out_dtype`."""
+    qa, sa = quantize_rows(a_MK)
+    qb, sb = quantize_rows(b_NK)
+    out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
+    return out.to(out_dtype)
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """Zero rows up to a multiple of ALIGN (the weight gradient contracts over rows)."""
+    extra = -t.shape[0] % ALIGN
+    return t if not extra else F.pad(t, (0, 0, 0, extra))
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """`x @ w^T` with the three GEMMs in FP8 (x `[M, K]`, w `[N, K]`)."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_NK, out_dtype):
+        ctx.save_for_backward(x_MK, w_NK)
+        return _scaled_mm(x_MK, w_NK, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g_MN):
+        x_MK, w_NK = ctx.saved_tensors
+        g_MN = g_MN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # g @ w: contraction over N
+            grad_x = _scaled_mm(g_MN, w_NK.t(), x_MK.dtype)
+        if ctx.needs_input_grad[1]:  # g^T @ x: contraction over M (zero rows add nothing)
+            g_pad, x_pad = _pad_rows(g_MN), _pad_rows(x_MK)
+            grad_w = _scaled_mm(g_pad.t(), x_pad.t(), w_NK.dtype)
+        return grad_x, grad_w, None
+
+
+class Fp8Linear(nn.Linear):
+    """`nn.Linear` whose training-mode forward runs Fp8Matmul (same parameters and state_dict
+    keys; eval mode is the plain GEMM)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
+            x.device.type) else x.dtype
+        y = Fp8Matmul.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight, dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def use_fp8_gemms(draft: nn.Module, skip: tuple[str, ...] = SKIPPED) -> list[str]:
+    """Convert the draft's linear layers (but `skip`) to Fp8Linear in place; returns their names.
+
+    A layer whose sizes are not multiples of 16 is an error naming it (no silent bf16 path).
+    """
+    converted = []
+    for name, module in draft.named_modules():
+        if type(module) is not nn.Linear or name.split(".")[-1] in skip:
+            continue
+        bad = [d for d in (module.in_features, module.out_features) if d % ALIGN]
+        if bad:
+            raise ValueError(f"--fp8-gemm: layer {name} is {module.in_features} -> "
+                             f"{module.out_features}; FP8 GEMMs need multiples of {ALIGN}: "
+                             f"use --fp8-gemm off")
+        module.__class__ = Fp8Linear
+        converted.append(name)
+    return converted

@@ -1,0 +1,139 @@
+"""FP8 GEMMs in training (eagle3/train/fp8.py): the arithmetic against a float64 simulation, the
+layer conversion, the flag, and a tiny 04 run with them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import train_helpers as th
+from eagle3.train.fp8 import (E4M3, Fp8Linear, Fp8Matmul, quantize_rows, resolve_mode,
+                              use_fp8_gemms)
+
+
+def simulated(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
+    """`a @ b^T` in float64 from each operand rounded to e4m3 with one scale per row."""
+    def deq(t):
+        t = t.double()
+        scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+        return (t / scale).to(E4M3).double() * scale
+
+    return deq(a_MK) @ deq(b_NK).t()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.double()).norm() / b.detach().double().norm())
+
+
+def operands(M=40, K=64, N=48):
+    g = torch.Generator().manual_seed(0)
+    # rows of x and w of very different magnitudes: only a scale per row keeps them all
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 3, M)[:, None]
+    w = torch.randn(N, K, generator=g) * torch.logspace(-2, 2, N)[:, None]
+    return x, w
+
+
+def test_forward_and_both_gradients_equal_the_float64_simulation_of_rowwise_e4m3():
+    x, w = operands()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = Fp8Matmul.apply(xr, wr, torch.float32)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    y.backward(g)
+    # each result against the same rounding done in float64 (only bf16 output rounding apart),
+    # row by row: a scale shared across rows would lose the small rows entirely
+    for got, want in ((y, simulated(x, w)), (xr.grad, simulated(g, w.t())),
+                      (wr.grad, simulated(g.t(), x.t()))):
+        for row_got, row_want in zip(got, want):
+            assert rel(row_got, row_want) < 1e-2
+    # and the rounding is real: e4m3 keeps 3 mantissa bits
+    assert 1e-3 < rel(y, x.double() @ w.double().t()) < 0.08
+
+
+def test_weight_gradient_pads_a_row_count_that_is_not_a_multiple_of_16():
+    x, w = operands(M=37)
+    wr = w.clone().requires_grad_()
+    Fp8Matmul.apply(x, wr, torch.float32).sum().backward()
+    ones = torch.ones(37, 48)
+    assert rel(wr.grad, simulated(ones.t(), x.t())) < 1e-2
+
+
+def test_quantized_rows_never_saturate_and_keep_each_rows_largest_value():
+    x, _ = operands()
+    q, scale = quantize_rows(x)
+    assert q.dtype == E4M3 and q.is_contiguous() and scale.shape == (x.shape[0], 1)
+    back = q.float() * scale
+    assert torch.allclose(back.abs().amax(-1), x.abs().amax(-1), rtol=1e-6)
+
+
+def test_conversion_keeps_the_state_dict_and_skips_lm_head_and_eval_mode_is_the_plain_gemm():
+    draft, _, _ = th.tiny_parts(kv_heads=2)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    names = use_fp8_gemms(draft)
+    assert "lm_head" not in names and "fc" in names and "midlayer.mlp.down_proj" in names
+    assert type(draft.lm_head) is nn.Linear
+    assert all(isinstance(m, Fp8Linear) for n, m in draft.named_modules() if n in names)
+    after = draft.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    layer = draft.midlayer.mlp.up_proj
+    x = torch.randn(3, 5, layer.in_features)
+    layer.eval()
+    assert torch.equal(layer(x), x @ layer.weight.t())
+    layer.train()
+    trained = layer(x)
+    assert trained.shape == (3, 5, layer.out_features)
+    assert not torch.equal(trained, x @ layer.weight.t())  # the fp8 path ran
+    assert rel(trained.reshape(15, -1), simulated(x.reshape(15, -1), layer.weight)) < 1e-2
+
+
+def test_a_layer_whose_size_is_not_a_multiple_of_16_is_refused_by_name():
+    draft, _, _ = th.tiny_parts(kv_heads=1)  # k_proj/v_proj: 32 -> 8
+    with pytest.raises(ValueError, match=r"midlayer\.self_attn\.k_proj.*--fp8-gemm off"):
+        use_fp8_gemms(draft)
+
+
+def test_the_flag_is_on_by_default_only_on_cuda_and_on_works_on_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_mode("auto", cpu) is False
+    assert resolve_mode("on", cpu) is True
+    assert resolve_mode("off", cpu) is False
+    with pytest.raises(ValueError, match="--fp8-gemm"):
+        resolve_mode("fast", cpu)
+    with pytest.raises(ValueError, match="--fp8-gemm on"):
+        resolve_mode("on", torch.device("meta"))
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fp8data")
+    th.write_dataset(root / "train", 24, seed=1)
+    th.write_dataset(root / "eval", 4, seed=2)
+    return root
+
+
+def test_04_with_fp8_gemms_learns_like_the_fp32_run(tiny_data, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    original = Fp8Matmul.forward
+
+    def counted(ctx, *a):
+        calls["n"] += 1
+        return original(ctx, *a)
+
+    monkeypatch.setattr(Fp8Matmul, "forward", staticmethod(counted))
+    fp8, _ = th.run_tiny(tiny_data, tmp_path / "fp8", kv_heads=2, fp8_gemm="on", epochs=3)
+    assert fp8["fp8_gemm"] is True and calls["n"] > 0
+    n = calls["n"]
+    plain, _ = th.run_tiny(tiny_data, tmp_path / "plain", kv_heads=2, fp8_gemm="off", epochs=3)
+    assert plain["fp8_gemm"] is False and calls["n"] == n  # off: not one fp8 GEMM
+    # both learn, and fp8 ends within 5% of the fp32 run's eval loss
+    assert fp8["eval_loss"][0] < 0.98 * first_eval_loss(tmp_path / "fp8")
+    assert abs(fp8["eval_loss"][0] - plain["eval_loss"][0]) < 0.05 * plain["eval_loss"][0]
+
+
+def first_eval_loss(out_dir: Path) -> float:
+    import json
+
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r["eval_loss"][0] for r in rows if "eval_loss" in r)
