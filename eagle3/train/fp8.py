@@ -38,6 +38,8 @@ def fp8_supported(device: torch.device) -> str | None:
         return None  # torch's CPU _scaled_mm: correct but slow (tests)
     if device.type != "cuda":
         return f"FP8 GEMMs need a CUDA or CPU device, not {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         return f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper); this GPU is " \
