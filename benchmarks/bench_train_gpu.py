@@ -178,6 +178,7 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
         fixed = synthetic_batch(cfg, args.seq, device)
     flops = micro_step_flops(cfg, args.seq, [args.seq], args.ttt_steps).train
     events, state = [], {}
+    checked = grad_check(model, forward, fixed, cuda) if fp8 and not use_loader else {}
 
     def one_step(timed: bool) -> None:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else None
@@ -238,9 +239,49 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
         out["host_syncs_per_step"] = state["syncs"]
     if "profile" in state:
         out["profile"] = state["profile"]
+    out.update(checked)
     if tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def grad_check(model, forward, batch: dict, cuda: bool) -> dict:
+    """The FP8 step's gradients (through `forward`, compiled when the row is) against the same
+    step with plain GEMMs (eager), parameter by parameter, before any update: the cosine of each
+    pair, and the parameters the FP8 step left without a gradient."""
+    from eagle3.train.fp8 import Fp8Linear
+
+    masks = model.build_masks(batch["doc_ids"], compile_mask=cuda)
+
+    def grads(fn) -> dict:
+        with torch.autocast(batch["aux"].device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss, _ = fn(batch["input_ids"], batch["loss_mask"], batch["doc_ids"],
+                         batch["positions"], batch["aux"], batch["final"], masks=masks)
+        loss.backward()
+        out = {n: None if p.grad is None else p.grad.detach().clone()
+               for n, p in model.draft.named_parameters()}
+        model.draft.zero_grad(set_to_none=True)
+        return out
+
+    fp8 = grads(forward)
+    converted = [m for m in model.draft.modules() if isinstance(m, Fp8Linear)]
+    for m in converted:
+        m.__class__ = torch.nn.Linear
+    try:
+        plain = grads(model)
+    finally:
+        for m in converted:
+            m.__class__ = Fp8Linear
+    cosine, missing = {}, []
+    for name, ref in plain.items():
+        got = fp8[name]
+        if got is None or not bool(got.ne(0).any()):
+            missing.append(name)
+            continue
+        cosine[name] = float(torch.nn.functional.cosine_similarity(
+            got.float().flatten(), ref.float().flatten(), dim=0))
+    return {"grad_cosine_min_vs_plain": min(cosine.values(), default=0.0),
+            "grad_cosine_vs_plain": cosine, "params_without_fp8_grad": missing}
 
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
@@ -517,6 +558,7 @@ def report(results: dict) -> str:
                ("optimizer_share", "optim", "{:.1%}"), ("data_wait_share", "data-wait", "{:.1%}"),
                ("host_syncs_per_step", "syncs", "{}"),
                ("scaling_efficiency", "DDP eff.", "{:.2f}"),
+               ("grad_cosine_min_vs_plain", "grad cos", "{:.4f}"),
                ("draft_params", "params", "{:,}")]
     lines.append(f"{'config':<14}" + "".join(f"{title:>11}" for _, title, _ in columns))
     for name, r in results["configs"].items():
@@ -526,6 +568,9 @@ def report(results: dict) -> str:
         cells = [fmt.format(r[key]) if r.get(key) is not None else "-"
                  for key, _, fmt in columns]
         lines.append(f"{name:<14}" + "".join(f"{c:>11}" for c in cells))
+    for name, r in results["configs"].items():
+        if r.get("params_without_fp8_grad"):
+            lines.append(f"{name}: NO GRADIENT in {r['params_without_fp8_grad']}")
     for name, gap in results.get("curve_gaps", {}).items():
         lines.append(f"curve gap {name}: mean |loss difference| over the last half {gap:.4f}")
     for name, r in results["configs"].items():

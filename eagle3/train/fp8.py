@@ -94,14 +94,14 @@ class Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_MN):
+        # Both gradients always, not only those `ctx.needs_input_grad` asks for: a compiled H200
+        # step that asked it ran no flex-attention backward at all (q/k/v got no gradient).
+        # Autograd drops a gradient no input needs (fc's: the aux states are data).
         x_MK, w_NK = ctx.saved_tensors
         g_MN = g_MN.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # g @ w: contraction over N
-            grad_x = _scaled_mm(g_MN, w_NK.t(), x_MK.dtype)
-        if ctx.needs_input_grad[1]:  # g^T @ x: contraction over M (zero rows add nothing)
-            g_pad, x_pad = _pad_rows(g_MN), _pad_rows(x_MK)
-            grad_w = _scaled_mm(g_pad.t(), x_pad.t(), w_NK.dtype)
+        grad_x = _scaled_mm(g_MN, w_NK.t(), x_MK.dtype)  # g @ w: contraction over N
+        g_pad, x_pad = _pad_rows(g_MN), _pad_rows(x_MK)  # zero rows add nothing to g^T @ x
+        grad_w = _scaled_mm(g_pad.t(), x_pad.t(), w_NK.dtype)
         return grad_x, grad_w, None
 
 

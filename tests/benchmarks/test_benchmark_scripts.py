@@ -85,6 +85,10 @@ def test_bench_train_gpu_row_suffixes_set_fp8_and_the_row_width(tmp_path):
     assert rows["flex+fp8@64"]["fp8_gemm"] and rows["flex+fp8@64"]["seq"] == 64
     assert not rows["flex"]["fp8_gemm"] and rows["flex"]["seq"] == 128
     assert rows["flex+fp8@64"]["train_flops_per_step"] < rows["flex"]["train_flops_per_step"]
+    # every parameter's FP8 gradient points where the plain step's does
+    assert rows["flex+fp8@64"]["params_without_fp8_grad"] == []
+    assert 0.98 < rows["flex+fp8@64"]["grad_cosine_min_vs_plain"] <= 1.0
+    assert "grad_cosine_min_vs_plain" not in rows["flex"]
     assert "flex+fp8@64" in out
 
 
