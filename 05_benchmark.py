@@ -8,7 +8,8 @@ server (EAGLE3 + this draft), attached by URL or launched here from `--launch-ar
 each `--concurrency` on each prompt set: tokens/s in total and per request, TTFT, acceptance
 length (sum completion_tokens / sum spec_verify_ct) and speedup. `--backend vllm`: the same
 against a plain and an EAGLE-3 vLLM server (`--speculative-config`, `--steps K` draft tokens;
-default draft `<workdir>/04_train/final_speculators`), acceptance from vLLM's `/metrics`
+default draft: the folder 04 wrote for vLLM, `<workdir>/04_train/final_speculators`, or
+`final/` for an MLA draft, as 04's manifest says), acceptance from vLLM's `/metrics`
 counters, speculative outputs checked against plain ones at temperature 0 (eagle3/bench/vllm.py).
 All write
 `<workdir>/05_benchmark/results.json`, `report.md` and PNG plots (sglang: `requests.jsonl`
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from eagle3.bench.run import LoadSettings, combine, measure_server, run_offline
 from eagle3.bench.report import report_markdown, summary_rows, write_plots
-from eagle3.bench.vllm import check_vllm_draft, run_vllm
+from eagle3.bench.vllm import check_vllm_draft, default_vllm_draft, run_vllm
 from eagle3.core.chat import ChatRenderer
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.core.launcher import LaunchedServer, sglang_command
@@ -63,7 +64,9 @@ SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
 class BenchmarkConfig(UpstreamStageFlags):
     target: Path | None = arg(None, "target model folder: tokenizer and config (weights for hf)")
     trust_remote_code: bool = arg(False, TRUST_HELP)
-    draft: Path | None = arg(None, "draft folder (default: <workdir>/04_train/final)")
+    draft: Path | None = arg(None, "draft folder (default: <workdir>/04_train/final; vllm: the "
+                                   "folder 04 wrote for it, final_speculators/ or an MLA "
+                                   "draft's final/)")
     backend: str = arg("hf", "hf: offline in transformers; sglang, vllm: baseline vs "
                              "speculative servers", choices=["hf", "sglang", "vllm"])
     check_only: bool = arg(False, "run the preflight checks and exit (0 ok, 1 refused)")
@@ -118,8 +121,8 @@ class BenchmarkConfig(UpstreamStageFlags):
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(BenchmarkConfig, argv, __doc__)
     setup_logging(cfg.log_level)
-    draft_dir = cfg.draft or cfg.workdir / STAGE_DIRS["04"] / (
-        "final_speculators" if cfg.backend == "vllm" else "final")
+    draft_dir = cfg.draft or (default_vllm_draft(cfg.workdir) if cfg.backend == "vllm"
+                              else cfg.workdir / STAGE_DIRS["04"] / "final")
     if cfg.check_only:
         return check_only(cfg, draft_dir)
     if EVAL_SET in cfg.prompt_sets:

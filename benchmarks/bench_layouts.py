@@ -39,7 +39,7 @@ RUNS = {"bf16": ("bf16", None, None), "fp8": ("fp8", None, None),
         "topk_tail": ("fp8-topk", "tail", "topk")}
 TRAIN = ["--lr", "1e-3", "--max-seq-len", "512", "--num-workers", "1", "--eval-every", "100",
          "--log-every", "50", "--seed", "0"]  # demo.sh's 04 flags, --epochs apart
-BENCH = ["--backend", "hf", "--steps", "3", "7", "--max-new-tokens", "32", "--num-prompts", "8"]
+BENCH = ["--backend", "hf", "--steps", "3", "7"]  # + --max-new-tokens, --num-prompts
 TAIL_K = (4, 8, 16, 32, 64)
 
 
@@ -82,16 +82,19 @@ def loop_free_acceptance(step: dict) -> float | None:
     return loop_summary(step["outputs"], step["accept_lengths"])["loop_free_acceptance"]
 
 
-def measure(name: str, demo: Path, target: Path, out: Path, topk: int, epochs: int) -> dict:
+def measure(name: str, demo: Path, target: Path, out: Path, args) -> dict:
+    """02b (unless shared), 04 and 05 of one layout run; its figures (`args`: the CLI's)."""
     dtype, mode, shared = RUNS[name]
+    topk = args.topk
     w = workdir_of(name, demo, out)
     if not shared:
         extra = ["--teacher-topk", topk] if dtype == "fp8-topk" else []
         run("02b", ["--workdir", w, "--target", target, "--backend", "hf", "--dtype", dtype,
                     *extra])
-    run("04", ["--workdir", w, "--target", target, *TRAIN, "--epochs", epochs,
+    run("04", ["--workdir", w, "--target", target, *TRAIN, "--epochs", args.epochs,
                *(["--topk-teacher", mode] if mode else [])])
-    run("05", ["--workdir", w, "--target", target, *BENCH])
+    run("05", ["--workdir", w, "--target", target, *BENCH, "--max-new-tokens",
+               args.max_new_tokens, "--num-prompts", args.num_prompts])
     m = json.loads((w / "02b_hidden_states" / "manifest.json").read_text())
     tokens = sum(o["tokens"] for o in m["outputs"].values())
     res = json.loads((w / "05_benchmark" / "results.json").read_text())
@@ -112,12 +115,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder of the layout runs")
     ap.add_argument("--topk", type=int, default=16, help="02b --teacher-topk (draft vocab 256)")
     ap.add_argument("--epochs", type=int, default=6, help="04 --epochs (demo.sh: 6)")
+    ap.add_argument("--num-prompts", type=int, default=8, help="05 prompts of the eval split")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="05 tokens per prompt")
+    ap.add_argument("--draft-vocab", type=int, default=256, help="03 --draft-vocab when 03 runs")
     args = ap.parse_args(argv)
     target = args.demo / "target"
     if not (args.demo / "03_vocab" / "manifest.json").exists():
-        run("03", ["--workdir", args.demo, "--target", target, "--draft-vocab", 256])
-    rows = {name: measure(name, args.demo, target, args.out, args.topk, args.epochs)
-            for name in RUNS}
+        run("03", ["--workdir", args.demo, "--target", target, "--draft-vocab",
+                   args.draft_vocab])
+    rows = {name: measure(name, args.demo, target, args.out, args) for name in RUNS}
     result = {"topk": args.topk, "epochs": args.epochs, "runs": rows,
               "tail_mass": tail_mass(args.out / "bf16", target)}
     (args.out / "layouts.json").write_text(json.dumps(result, indent=1))

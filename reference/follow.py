@@ -9,6 +9,8 @@ end, prints where it is, rebuilds the summary from the files so far and copies i
     python3 reference/follow.py --workdir /tmp/ref --start --deadline-s 1450 --wait-s 560 \
         --out $OUT
     python3 reference/follow.py --workdir /tmp/ref --wait-s 560 --out $OUT   # again, if needed
+    python3 reference/follow.py --workdir /tmp/refc --profile h200-compare --start \
+        --deadline-s 1400 --wait-s 560    # the comparison of issues 16/17 alone
 
 Exit status: the run's own when it has ended, 3 while it is still running.
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core.cli import arg, parse_config, setup_logging
+from reference.run_reference import PROFILES
 
 STILL_RUNNING = 3
 
@@ -33,7 +36,8 @@ STILL_RUNNING = 3
 class FollowConfig:
     workdir: Path = arg(help="work folder of the reference run")
     start: bool = arg(False, "start the run (phases 1-3, detached) unless it runs or has ended")
-    profile: str = arg("h200", "profile of the run to start")
+    profile: str = arg("h200", "profile of the run to start (reference/run_reference.py)",
+                       choices=sorted(PROFILES))
     deadline_s: float = arg(1450.0, "the started run's time budget for optional work, seconds")
     wait_s: float = arg(560.0, "wait at most this long for the run to end")
     out: Path | None = arg(None, "copy the summary, raw JSON and console log here (default $OUT)")

@@ -1,16 +1,16 @@
 """Phase 3 of the reference benchmark: every draft of the run on the same held-out prompts.
 
-First, alone on the GPU, 02b of the fp8-state, compact-layout (fp8-all, fp8-topk) and
-data-size runs. Then the evaluations run as subprocesses side by side (reference/parallel.py:
-batch-1 decoding of this target leaves the GPU mostly idle), submitted in priority order: the
-final draft (bf16 states, chains of 3 and 7), the controls, 05 at temperature 1 and the
-per-epoch checkpoints. Meanwhile this process trains the fp8-state, compact-layout (fp8-all,
-top-k renormalised, top-k with the tail bucket) and data-size drafts (04) and submits each
-one's evaluation when it is trained; the MLA draft (04 --draft-arch mla) trains on the main
-run's states, so it is set against the Llama draft on the same data and prompts. What no longer
-fits the time budget is not
-started and is listed in the summary; running the phase again does it (finished work is kept).
-"""
+The profile's `phase3` names the work, in the order it is started (PHASE3_WORK; `h200`: the
+controls, 05 at temperature 1, the per-epoch checkpoints, the storage layouts, the MLA draft and
+the data-size study; `h200-compare` only the drafts of the comparison). First, alone on the GPU,
+the 02b runs that work needs (fp8, fp8-all, fp8-topk states; data-size subsets). Then the
+evaluations run as subprocesses side by side (reference/parallel.py: batch-1 decoding of this
+target leaves the GPU mostly idle): the final draft (bf16 states, chains of 3 and 7) first, then
+each work item's. Meanwhile this process trains, one 04 at a time, the storage-layout drafts
+(fp8, fp8-all, top-k renormalised, top-k with the tail bucket), the drafts on main's own states
+(the MLA draft, 04 --draft-arch mla; the FP8-GEMM Llama draft) and the data-size drafts, and
+submits each one's evaluation when it is trained. What no longer fits the time budget is not
+started and is listed in the summary; running the phase again does it (finished work is kept)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
 from reference.parallel import JobPool
 from reference.stages import ROOT, SCRIPTS, export_checkpoint
+from reference.steps import LAYOUT_RUNS, SAME_STATE_RUNS
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,6 @@ log = logging.getLogger(__name__)
 # of the correct draft's gain on the same prompts.
 COLLAPSE_SHARE = 0.25
 CONTROL_SPECS = ("control_reference", "control_final_state", "control_shifted_layers")
-COMPACT_LAYOUTS = ("fp8_all", "topk")  # work folders with their own 02b (steps.LAYOUT_RUNS)
 
 
 class Phase3:
@@ -69,6 +69,12 @@ class Phase3:
             "--spec", json.dumps(raw), "--device", profile.device,
             "--dtype", self.phases.eval_dtype]),
             self.estimate(spec, acceptance))
+
+    def evaluate_trained(self, name: str, workdir: Path) -> None:
+        """Evaluate the draft 04 trained in `workdir` at 3 and 7 steps (when it was trained)."""
+        draft = workdir / STAGE_DIRS["04"] / "final"
+        if draft.is_dir():
+            self.evaluate(f"eval {name}", self.EvalSpec(name, draft, [3, 7], **self.sweep))
 
     def bench_t1(self) -> None:
         """05 at temperature 1 (speculative sampling), the production script in a subprocess."""
@@ -135,67 +141,106 @@ def expected_acceptance(bench_results: Path, default: float = 1.6) -> float:
 
 
 def run_phase3(phases) -> None:
-    """`phases`: the run's reference.steps.PhaseSteps."""
+    """`phases`: the run's reference.steps.PhaseSteps; the work is its profile's `phase3`."""
     from reference.evaluate_drafts import EvalSpec
 
     profile, final = phases.profile, phases.main / STAGE_DIRS["04"] / "final"
     t0 = time.time()
     # 02b first, before any evaluation process starts: its batched forward passes slowed from
     # 49K to 4.6K tok/s beside six of them on the H200, while 04 kept its speed.
-    phases.task("extract fp8", phases.extract_fp8, phases.extract_estimate(phases.n_train()))
-    for name in COMPACT_LAYOUTS:  # topk_tail trains from topk's files: nothing to extract
+    for name in extracted_layouts(profile.phase3):
         phases.task(f"extract {name}", lambda n=name: phases.extract_layout(n),
                     phases.extract_estimate(phases.n_train()))
-    for n in phases.size_counts():
-        phases.task(f"extract size {n}", lambda n=n: phases.extract_size(n),
-                    phases.extract_estimate(n))
+    if "sizes" in profile.phase3:
+        for n in phases.size_counts():
+            phases.task(f"extract size {n}", lambda n=n: phases.extract_size(n),
+                        phases.extract_estimate(n))
     with JobPool(profile.eval_workers, phases.deadline, phases.results / "logs",
                  env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}) as pool:
         ph = Phase3(phases, pool)
-        sweep = ph.sweep
-        control = {"num_prompts": profile.control_prompts,
-                   "max_new_tokens": profile.control_max_new}
-        ph.evaluate("eval main", EvalSpec("main", final, [3, 7], **sweep))
-        ph.evaluate("controls", EvalSpec(CONTROL_SPECS[0], final, [3], **control))
-        for name in ("final_state", "shifted_layers"):
-            ph.evaluate("controls", EvalSpec(f"control_{name}", final, [3], control=name,
-                                             **control), acceptance=1.0)
-        ph.bench_t1()
-        root = phases.main / STAGE_DIRS["04"] / "checkpoints"
-        for step in intermediate_steps(root):
-            draft = phases.root / "epochs" / f"step_{step:06d}"
-            export_checkpoint(root / f"step_{step:06d}",
-                              json.loads((root / f"step_{step:06d}" / "config.json").read_text()),
-                              draft)
-            ph.evaluate(f"eval checkpoint {step}", EvalSpec(f"ckpt_{step}", draft, [3], **sweep))
-        # Trained here, beside the evaluations; each evaluated once trained.
-        phases.task("train fp8", phases.train_fp8, phases.fp8_estimate())
-        fp8_draft = phases.root / "fp8" / STAGE_DIRS["04"] / "final"
-        if fp8_draft.is_dir():
-            ph.evaluate("eval fp8", EvalSpec("fp8", fp8_draft, [3, 7],
-                                             **sweep))
-        for name in (*COMPACT_LAYOUTS, "topk_tail"):  # the storage layouts of issue 17
-            phases.task(f"train {name}", lambda n=name: phases.train_layout(n),
-                        phases.fp8_estimate())
-            draft = phases.root / name / STAGE_DIRS["04"] / "final"
-            if draft.is_dir():
-                ph.evaluate(f"eval {name}", EvalSpec(name, draft, [3, 7], **sweep))
-        # The MLA draft (04 --draft-arch mla) on the same states as the main (Llama) draft.
-        phases.task("train mla", phases.train_mla, phases.mla_estimate())
-        mla_draft = phases.root / "mla" / STAGE_DIRS["04"] / "final"
-        if mla_draft.is_dir():
-            ph.evaluate("eval mla", EvalSpec("mla", mla_draft, [3, 7], **sweep))
-        for n in phases.size_counts():
-            phases.task(f"train size {n}", lambda n=n: phases.train_size(n),
-                        phases.size_estimate(n))
-            draft = phases.root / f"size_{n}" / STAGE_DIRS["04"] / "final"
-            if draft.is_dir():
-                ph.evaluate(f"eval size {n}", EvalSpec(f"size_{n}", draft, [3], **sweep))
+        ph.evaluate("eval main", EvalSpec("main", final, [3, 7], **ph.sweep))
+        for work in profile.phase3:
+            PHASE3_WORK[work](ph)
         ph.record(pool.wait())
     runs = phases.state.setdefault("parallel", {}).setdefault("phase3_runs", [])
     runs.append({"wall_s": round(time.time() - t0, 1), "eval_workers": profile.eval_workers,
                  "jobs": len(ph.submitted)})
     phases.save()
+
+
+def extracted_layouts(work: tuple[str, ...]) -> list[str]:
+    """Work folders whose 02b phase 3 runs for `work` (topk_tail trains from topk's files)."""
+    out = []
+    for name in work:
+        if name in LAYOUT_RUNS:
+            source = LAYOUT_RUNS[name][2] or name
+            if source not in out:
+                out.append(source)
+    return out
+
+
+def _controls(ph: Phase3) -> None:
+    """The EAGLE mistake and the shifted layers beside the correct draft, on the same prompts."""
+    from reference.evaluate_drafts import EvalSpec
+
+    profile, final = ph.phases.profile, ph.phases.main / STAGE_DIRS["04"] / "final"
+    control = {"num_prompts": profile.control_prompts, "max_new_tokens": profile.control_max_new}
+    ph.evaluate("controls", EvalSpec(CONTROL_SPECS[0], final, [3], **control))
+    for name in ("final_state", "shifted_layers"):
+        ph.evaluate("controls", EvalSpec(f"control_{name}", final, [3], control=name,
+                                         **control), acceptance=1.0)
+
+
+def _checkpoints(ph: Phase3) -> None:
+    """Main's per-epoch checkpoints exported as drafts, each evaluated at 3 steps."""
+    from reference.evaluate_drafts import EvalSpec
+
+    phases = ph.phases
+    root = phases.main / STAGE_DIRS["04"] / "checkpoints"
+    for step in intermediate_steps(root):
+        draft = phases.root / "epochs" / f"step_{step:06d}"
+        export_checkpoint(root / f"step_{step:06d}",
+                          json.loads((root / f"step_{step:06d}" / "config.json").read_text()),
+                          draft)
+        ph.evaluate(f"eval checkpoint {step}", EvalSpec(f"ckpt_{step}", draft, [3], **ph.sweep))
+
+
+def _layout(name: str):
+    """A storage layout of issue 17 (steps.LAYOUT_RUNS): trained here, then evaluated."""
+    def run(ph: Phase3) -> None:
+        ph.phases.task(f"train {name}", lambda: ph.phases.train_layout(name),
+                       ph.phases.fp8_estimate())
+        ph.evaluate_trained(name, ph.phases.root / name)
+    return run
+
+
+def _same_states(name: str):
+    """A draft trained on main's own states (steps.SAME_STATE_RUNS), then evaluated."""
+    def run(ph: Phase3) -> None:
+        ph.phases.task(f"train {name}", lambda: ph.phases.train_same_states(name),
+                       ph.phases.same_states_estimate())
+        ph.evaluate_trained(name, ph.phases.root / name)
+    return run
+
+
+def _sizes(ph: Phase3) -> None:
+    """The data-size study: 02b + 03 + 04 on shares of the merged train split."""
+    from reference.evaluate_drafts import EvalSpec
+
+    phases = ph.phases
+    for n in phases.size_counts():
+        phases.task(f"train size {n}", lambda n=n: phases.train_size(n), phases.size_estimate(n))
+        draft = phases.root / f"size_{n}" / STAGE_DIRS["04"] / "final"
+        if draft.is_dir():
+            ph.evaluate(f"eval size {n}", EvalSpec(f"size_{n}", draft, [3], **ph.sweep))
+
+
+# Phase-3 work by name (Profile.phase3 lists which, in order). Beside main's evaluation, each
+# one submits evaluations to the pool; the trained ones train here first (one 04 at a time, so
+# that each one's tokens/s is its own).
+PHASE3_WORK = {"controls": _controls, "bench_t1": lambda ph: ph.bench_t1(),
+               "checkpoints": _checkpoints, **{n: _layout(n) for n in LAYOUT_RUNS},
+               **{n: _same_states(n) for n in SAME_STATE_RUNS}, "sizes": _sizes}
 
 
 def intermediate_steps(root: Path) -> list[int]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from eagle3.core.progress import human_bytes
 from eagle3.core.records import read_jsonl
 from eagle3.core.stage import STAGE_DIRS, atomic_write_bytes, atomic_write_json
+from reference.compare import COMPARE_ROWS, comparison_md, comparison_rows
 
 GiB = 2**30
 
@@ -121,7 +122,7 @@ def collect(workdir: Path, profile: str) -> dict:
     sweeps = {p.stem[len("eval_"):]: _strip_ids(_read(p))
               for p in sorted((res / "evals").glob("eval_*.json"))}
     baselines = {p.stem: _strip_ids(_read(p)) for p in sorted((res / "evals").glob("baseline_*.json"))}
-    return {"profile": profile, "environment": environment(),
+    out = {"profile": profile, "environment": environment(),
             "corpus": _read(w / "corpus" / "corpus.json"), "target": target,
             "data": {"main": split_tokens(w / "main")}, "stages": stages,
             "bench": {t: bench_summary(_read(w / f"bench_{t}" / STAGE_DIRS["05"] / "results.json"))
@@ -129,8 +130,10 @@ def collect(workdir: Path, profile: str) -> dict:
             "sweeps": sweeps, "baselines": baselines, "controls": _read(res / "controls.json"),
             "epoch_metrics": _epoch_metrics(w / "main" / STAGE_DIRS["04"] / "metrics.jsonl"),
             "draft_params": {k: draft_params(w / k / STAGE_DIRS["04"] / "final")
-                             for k in ("main", "mla")},
+                             for k in COMPARE_ROWS},
             "state": _read(res / "state.json")}
+    out["comparison"] = comparison_rows(out)
+    return out
 
 
 def _epoch_metrics(path: Path) -> list[dict]:
@@ -279,21 +282,6 @@ def _layout_bytes_md(s: dict) -> list[str]:
             + " bytes/token.", ""]
 
 
-def _arch_md(s: dict) -> list[str]:
-    """Llama-style vs MLA draft, same states and prompts: acceptance, size, training speed."""
-    lines = ["| draft | acceptance @3 | acceptance @7 | loop share @3 | parameters | "
-             "04 train tok/s |", "|---|---|---|---|---|---|"]
-    for label, key, stage in (("Llama-style (main)", "main", "04 main"), ("MLA", "mla", "04 mla")):
-        steps = (s["sweeps"].get(key) or {}).get("steps") or {}
-        out = ((s["stages"].get(stage) or {}).get("manifest") or {}).get("outputs") or {}
-        params = (s.get("draft_params") or {}).get(key)
-        lines.append(f"| {label} | {_f((steps.get('3') or {}).get('acceptance_length'))} | "
-                     f"{_f((steps.get('7') or {}).get('acceptance_length'))} | "
-                     f"{_f(((steps.get('3') or {}).get('loop') or {}).get('share'))} | "
-                     f"{f'{params:,}' if params else '–'} | {_f(out.get('tok_s'), '{:,.0f}')} |")
-    return lines + [""]
-
-
 def draft_params(folder: Path) -> int | None:
     """Parameters of an exported draft (every floating tensor of model.safetensors)."""
     from safetensors import safe_open
@@ -357,7 +345,8 @@ def markdown(s: dict) -> str:
            + ", ".join(f"step {m['step']}: {_f(m.get('eval_sim_accept'), '{:.2f}')} (loop share "
                        f"{_f(m.get('eval_loop_share'), '{:.0%}')})"
                        for m in s.get("epoch_metrics") or []), "",
-           "### Llama-style vs MLA draft (same states, same prompts)", "", *_arch_md(s),
+           "### Drafts compared: architecture, storage layout, GEMM precision (same data, same "
+           "prompts)", "", *comparison_md(s["comparison"]),
            "### Controls (meant to collapse; must be detected)", "", *_controls_md(s)]
     state = s.get("state") or {}
     notes = list(state.get("notes") or []) + [state[k] for k in ("eval_dtype_note",) if k in state]

@@ -29,6 +29,17 @@ Or phase by phase, each command within 10 minutes:
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 1 --workdir /tmp/ref --out $OUT
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 2 --workdir /tmp/ref --out $OUT
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 3 --workdir /tmp/ref --out $OUT
+The comparison of issues 16/17 alone (`--profile h200-compare`: the sizes of `h200`, 05 at
+temperature 0 on 4 prompts, phase 3 only the drafts of reference/compare.py: main, mla, fp8_all,
+topk, topk_tail, fp8gemm, fp8, each evaluated at 3 and 7 steps; no controls, 05 at temperature
+1, checkpoint evaluations or data-size runs). Estimated 1131 s (~19 min; how: the comment of the
+profile, from the `h200` run's stage times); past its deadline (1400 s) the last drafts of its
+`phase3` (fp8 first) are left to a second command:
+    python3 reference/follow.py --workdir /tmp/refc --profile h200-compare --start \
+        --deadline-s 1400 --wait-s 560
+    python3 reference/follow.py --workdir /tmp/refc --wait-s 560    # again while it runs
+    PYTHONUNBUFFERED=1 python3 reference/run_reference.py --profile h200-compare --phase 3 \
+        --workdir /tmp/refc --out $OUT    # only if the summary lists skipped work
 CPU smoke (every phase at toy sizes, about a minute):
     python reference/run_reference.py --profile smoke --phase 1 2 3 --workdir /tmp/ref-smoke
 """
@@ -85,6 +96,22 @@ class Profile:
     eval_workers: int  # phase 3: evaluations run side by side in this many subprocesses
     threads: int = 0  # torch CPU threads for the run (0 = torch's default)
     teacher_topk: int = 64  # 02b --teacher-topk of the fp8-topk layout runs
+    # Phase-3 work after main's evaluation, in the order it is started (reference/phase3.py
+    # PHASE3_WORK names): what the budget cuts is the end of this tuple.
+    phase3: tuple[str, ...] = ("controls", "bench_t1", "checkpoints", "fp8", "fp8_all", "topk",
+                               "topk_tail", "mla", "sizes")
+    train_precision: tuple[str, ...] = ()  # 04 flags of every draft but fp8gemm
+    fp8gemm_train: tuple[str, ...] = ()  # 04 flags of the fp8gemm draft (main's bf16 states)
+
+    def __post_init__(self) -> None:
+        from reference.phase3 import PHASE3_WORK
+
+        unknown = [w for w in self.phase3 if w not in PHASE3_WORK]
+        if unknown or len(set(self.phase3)) != len(self.phase3):
+            raise ValueError(f"Profile.phase3 {self.phase3}: each of {PHASE3_WORK} at most once")
+        if "fp8gemm" in self.phase3 and not self.fp8gemm_train:
+            raise ValueError("Profile.phase3 has fp8gemm but fp8gemm_train (its 04 flags, e.g. "
+                             "('--fp8-gemm', 'on')) is empty")
 
 
 PROFILES = {
@@ -103,6 +130,37 @@ PROFILES = {
         bench_prompts=20, bench_max_new=192, bench_t1_prompts=10,
         sweep_prompts=16, sweep_max_new=160, control_prompts=8, control_max_new=96,
         size_fractions=(0.25, 0.5), deadline_s=540.0, eval_workers=6),
+    # The comparison of issues 16/17 within ~17 minutes of one H200: corpus, target, 01, 01b,
+    # merge, 02b and 04 as `h200` (figures comparable with its run); phase 3 only the drafts of
+    # the comparison (reference/compare.py), most wanted first. Estimate, from the stage times
+    # of the `h200` run (BENCHMARKS.md, "GPU reference pipeline"): phase 1 315 s (measured);
+    # phase 2 157 s without 05 + 05 t0 on 4 prompts instead of 20, (255 - 5) / 20 * 4 + 5 = 55 s;
+    # phase 3: three 02b alone, 3 x 26 s = 80 s (fp8 alone: 26 s), then six 04 one after another
+    # beside the evaluations, fp8 / fp8_all / topk / topk_tail 49 s each (04 fp8: 48.8 s) plus
+    # mla and fp8gemm (a graph to compile, not measured here) ~100 s each = 400 s, then the last
+    # draft's evaluation alone (chains 3 and 7, 16 x 160: 124 s for fp8). Total
+    # 315 + 212 + 80 + 400 + 124 = 1131 s, ~19 min. The deadline is a safety net above it:
+    # the budget's estimates are conservative (an evaluation: 255 s estimated x 1.5 side by
+    # side where fp8's took 124 s; a layout's 04: 189 s where it took 49 s), and one started
+    # after 1400 - 383 s would be skipped. What it cuts is the end of `phase3` (fp8, already
+    # measured by the `h200` run), done by a second --phase 3 command.
+    "h200-compare": Profile(
+        device="cuda", corpus=("--pipeline-samples", "2400"),
+        target=("--preset", "ref-100m", "--train-seconds", "180", "--batch-size", "64",
+                "--seq-len", "1024", "--lr", "1e-3"),
+        prepare=(),
+        generate=("--max-new-tokens", "192", "--batch-size", "256", "--dtype", "bfloat16"),
+        merge=("--eval-fraction", "0.03", "--max-seq-len", "1024"),
+        extract=("--model-dtype", "bfloat16", "--max-batch-tokens", "65536"),
+        draft_vocab=4096,
+        train=("--lr", "1e-3", "--num-workers", "6", "--max-eval-samples", "64",
+               "--log-every", "20"),
+        epochs=4, train_max_seq_len=1024, pack_tokens=8192, eval_dtype="float32",
+        bench_prompts=4, bench_max_new=192, bench_t1_prompts=0,
+        sweep_prompts=16, sweep_max_new=160, control_prompts=8, control_max_new=96,
+        size_fractions=(), deadline_s=1400.0, eval_workers=6,
+        phase3=("mla", "fp8_all", "topk", "topk_tail", "fp8gemm", "fp8"),
+        train_precision=("--fp8-gemm", "off"), fp8gemm_train=("--fp8-gemm", "on")),
     "smoke": Profile(
         device="cpu",
         corpus=("--max-files", "14", "--pipeline-samples", "16", "--heldout-share", "0.3",
@@ -133,7 +191,8 @@ OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summar
 class ReferenceConfig:
     workdir: Path = arg(help="work folder of the whole reference run (keep it for all phases)")
     phase: list[int] = arg([1, 2, 3], "phases to run, in order (see the module doc)")
-    profile: str = arg("h200", "sizes: h200 (the GPU run) or smoke (CPU, toy sizes)",
+    profile: str = arg("h200", "sizes: h200 (the GPU run), h200-compare (its sizes, phase 3 "
+                               "only the drafts compared) or smoke (CPU, toy sizes)",
                        choices=sorted(PROFILES))
     out: Path | None = arg(None, "copy the summary and raw JSON here at the end (default: $OUT "
                                  "when set; nothing when neither)")

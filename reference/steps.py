@@ -10,6 +10,8 @@ Work folder layout (`W` = --workdir):
     W/fp8/         02b with fp8 storage + 04 (merged data and vocab linked to main)
     W/fp8_all/, W/topk/, W/topk_tail/  the same for the compact layouts (LAYOUT_RUNS);
                    topk_tail trains from topk's files with the tail-bucket loss
+    W/mla/, W/fp8gemm/  04 on main's merged data, states and vocab (SAME_STATE_RUNS): the MLA
+                   draft, and the Llama draft with the profile's FP8 GEMM flags
     W/size_<n>/    02b + 03 + 04 on the first n merged train samples
     W/epochs/      per-epoch checkpoints of main exported as draft folders
     W/results/     stages.json (every stage's record), evals/ (sweep results), controls.json,
@@ -37,6 +39,10 @@ BENCH_STEPS = (3, 7)  # chains 05 measures: SGLang's 3-1-4 setting (ceiling 4) a
 # 04 --topk-teacher, the folder whose 02b files it trains from instead of extracting its own).
 LAYOUT_RUNS = {"fp8": ("fp8", None, None), "fp8_all": ("fp8-all", None, None),
                "topk": ("fp8-topk", "renorm", None), "topk_tail": ("fp8-topk", "tail", "topk")}
+# Drafts trained on main's own bf16 states, merged data and vocabulary, so that only the draft
+# differs (issues 16 and the FP8 GEMM option of 04): work folder -> what its 04 adds to main's
+# flags ("profile" = the profile's fp8gemm_train in place of its train_precision).
+SAME_STATE_RUNS = {"mla": ("--draft-arch", "mla"), "fp8gemm": "profile"}
 
 
 class PhaseMissing(RuntimeError):
@@ -194,16 +200,19 @@ class PhaseSteps:
                      for r in read_jsonl(Path(workdir) / STAGE_DIRS["merge"] / "train.jsonl"))
         return max(1, tokens // self.profile.pack_tokens)
 
-    def train_args(self, workdir: Path) -> list:
+    def train_args(self, workdir: Path, precision: tuple[str, ...] | None = None) -> list:
         """04 flags: checkpoint and evaluate about every epoch (see `steps_per_epoch`), keep
-        every checkpoint (the report labels each with its step and epoch share)."""
+        every checkpoint (the report labels each with its step and epoch share); `precision`:
+        the GEMM flags (default the profile's train_precision, that of every draft but
+        fp8gemm)."""
         per_epoch = self.steps_per_epoch(workdir)
         self.state.setdefault("steps_per_epoch", {})[Path(workdir).name] = per_epoch
         profile = self.profile
+        precision = profile.train_precision if precision is None else precision
         return ["--target", self.target, "--device", profile.device, "--epochs", profile.epochs,
                 "--max-seq-len", profile.train_max_seq_len, "--pack-tokens", profile.pack_tokens,
                 "--save-every", per_epoch, "--eval-every", per_epoch,
-                "--keep-latest", profile.epochs + 2, *profile.train]
+                "--keep-latest", profile.epochs + 2, *profile.train, *precision]
 
     def extract_args(self, dtype: str) -> list:
         """02b flags: the in-process transformers target, files stored in layout `dtype`."""
@@ -237,9 +246,6 @@ class PhaseSteps:
     def size_counts(self) -> list[int]:
         return sorted({max(4, int(f * self.n_train())) for f in self.profile.size_fractions})
 
-    def fp8_workdir(self) -> Path:
-        return self.layout_workdir("fp8")
-
     def layout_workdir(self, name: str) -> Path:
         """W/<name>: main's merged data and vocab (and the shared run's 02b files) linked."""
         links = {STAGE_DIRS["merge"]: self.main / STAGE_DIRS["merge"],
@@ -264,9 +270,6 @@ class PhaseSteps:
     def size_workdir(self, n: int) -> Path:
         return subset_workdir(self.main, self.root / f"size_{n}", n)
 
-    def extract_fp8(self) -> None:
-        self.extract_layout("fp8")
-
     def extract_size(self, n: int) -> None:
         self.runner.run(f"02b size {n}", "02b", self.size_workdir(n), self.extract_args("bf16"))
 
@@ -274,20 +277,27 @@ class PhaseSteps:
         """02b seconds for `samples` train samples, from the main run's rate."""
         return 1.2 * self._wall("02b main (bf16)") * samples / max(1, self.n_train()) + 10
 
-    def train_fp8(self) -> None:
-        self.train_layout("fp8")
-
-    def mla_workdir(self) -> Path:
-        """The MLA draft's run: the main run's merged data, hidden states and vocabulary."""
-        return linked_workdir(self.root / "mla", {
+    def same_states_workdir(self, name: str) -> Path:
+        """W/<name> (SAME_STATE_RUNS): the main run's merged data, hidden states and vocabulary."""
+        if name not in SAME_STATE_RUNS:
+            raise KeyError(f"{name!r} is not one of SAME_STATE_RUNS {sorted(SAME_STATE_RUNS)}")
+        return linked_workdir(self.root / name, {
             STAGE_DIRS[k]: self.main / STAGE_DIRS[k] for k in ("merge", "02b", "03")})
 
-    def train_mla(self) -> None:
-        """04 --draft-arch mla on the main run's states (the same ones the Llama draft read)."""
-        w = self.mla_workdir()
-        self.runner.run("04 mla", "04", w, [*self.train_args(w), "--draft-arch", "mla"])
+    def same_states_args(self, name: str) -> list:
+        """04 flags of a SAME_STATE_RUNS draft: main's, with its own additions."""
+        w, extra = self.same_states_workdir(name), SAME_STATE_RUNS[name]
+        if extra == "profile":
+            return self.train_args(w, precision=self.profile.fp8gemm_train)
+        return [*self.train_args(w), *extra]
 
-    def mla_estimate(self) -> float:
+    def train_same_states(self, name: str) -> None:
+        """04 of a SAME_STATE_RUNS draft on the main run's states (those the main draft read)."""
+        self.runner.run(f"04 {name}", "04", self.same_states_workdir(name),
+                        self.same_states_args(name))
+
+    def same_states_estimate(self) -> float:
+        """A new draft graph compiles first (04 main's wall time holds its compilation)."""
         return 1.3 * self._wall("04 main") + 30
 
     def train_size(self, n: int) -> None:

@@ -59,6 +59,28 @@ class VllmError(RuntimeError):
     """A vLLM server that did not do what the benchmark needs; the message says what."""
 
 
+# ---------------------------------------------------------------- the draft folder
+
+
+def default_vllm_draft(workdir: Path) -> Path:
+    """The folder of 04's draft in `workdir` that vLLM serves: `final_speculators/` for the
+    Llama-style draft, `final/` for the MLA one (04 writes no speculators folder for it: its
+    DeepseekV2 folder is vLLM's too, eagle3/draft/mla_export.py). The architecture is read from
+    04's manifest (`args.draft_arch`; manifests older than the option are Llama-style)."""
+    from eagle3.core.stage import STAGE_DIRS, StageError, read_manifest
+
+    stage_dir = Path(workdir) / STAGE_DIRS["04"]
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        raise StageError(f"{stage_dir}/manifest.json is missing, so 05 cannot tell which "
+                                "draft folder 04 wrote for vLLM: run 04, or pass --draft")
+    arch = (manifest.get("args") or {}).get("draft_arch", "llama")
+    if arch not in ("llama", "mla"):
+        raise StageError(f"{stage_dir}/manifest.json: draft_arch {arch!r} is neither llama nor "
+                         "mla: pass --draft")
+    return stage_dir / ("final" if arch == "mla" else "final_speculators")
+
+
 # ---------------------------------------------------------------- layers
 
 

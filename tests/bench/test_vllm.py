@@ -103,3 +103,45 @@ def test_vllm_source_has_the_layer_rule_05_assumes(vllm_python):
     at = deepseek.index("if idx in self.aux_hidden_state_layers:")
     assert deepseek.index("aux_hidden_state = hidden_states + residual", at) < deepseek.index(
         "hidden_states, residual = layer(", at)
+
+
+# ---------------------------------------------------------------- the default draft folder
+
+
+def _write_04_manifest(workdir: Path, args: dict) -> None:
+    stage = workdir / "04_train"
+    stage.mkdir(parents=True)
+    (stage / "manifest.json").write_text(json.dumps({"stage": "04_train", "complete": True,
+                                                     "args": args}))
+
+
+@pytest.mark.parametrize("args,folder", [({"draft_arch": "llama"}, "final_speculators"),
+                                         ({"draft_arch": "mla"}, "final"),
+                                         ({"lr": 1e-3}, "final_speculators")])  # before the flag
+def test_default_vllm_draft_is_the_folder_04_wrote_for_its_architecture(tmp_path, args, folder):
+    from eagle3.bench.vllm import default_vllm_draft
+
+    _write_04_manifest(tmp_path, args)
+    assert default_vllm_draft(tmp_path) == tmp_path / "04_train" / folder
+
+
+def test_default_vllm_draft_without_04s_manifest_asks_for_draft(tmp_path):
+    from eagle3.bench.vllm import default_vllm_draft
+    from eagle3.core.stage import StageError
+
+    with pytest.raises(StageError, match="--draft"):
+        default_vllm_draft(tmp_path)
+
+
+def test_05_vllm_check_only_serves_an_mla_run_from_final(tmp_path, monkeypatch, capsys):
+    import importlib
+
+    bench = importlib.import_module("05_benchmark")
+    _write_04_manifest(tmp_path, {"draft_arch": "mla"})
+    (tmp_path / "target").mkdir()
+    seen = []
+    monkeypatch.setattr(bench, "check_vllm_draft",
+                        lambda draft, target, workdir: seen.append(draft) or ([], "-", None))
+    assert bench.main(["--workdir", str(tmp_path), "--target", str(tmp_path / "target"),
+                       "--backend", "vllm", "--steps", "3", "--check-only"]) == 0
+    assert seen == [tmp_path / "04_train" / "final"]

@@ -264,12 +264,32 @@ def _script_config(stage: str):
     return cls
 
 
-@pytest.mark.parametrize("profile", ["h200", "smoke"])
+def has_fp8_gemm_flag() -> bool:
+    """Whether `04_train.py --help` offers --fp8-gemm (the flag of the fp8gemm draft)."""
+    import contextlib
+    import io
+
+    from reference.stages import script_module
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        script_module("04").main(["--help"])
+    return "--fp8-gemm" in out.getvalue()
+
+
+NO_FP8_GEMM = "04_train.py --help has no --fp8-gemm yet (the fp8gemm draft's and main's flag)"
+
+
+@pytest.mark.parametrize("profile", ["h200", "h200-compare", "smoke"])
 def test_every_stage_command_parses_with_its_script(profile, tmp_path):
     from eagle3.core.cli import parse_config
     from reference.run_reference import PROFILES
     from reference.stages import StageRunner
-    from reference.steps import PhaseSteps
+    from reference.steps import SAME_STATE_RUNS, PhaseSteps
+
+    p = PROFILES[profile]
+    if (p.train_precision or p.fp8gemm_train) and not has_fp8_gemm_flag():
+        pytest.skip(NO_FP8_GEMM)
 
     merged = tmp_path / "main" / "01c_merged"
     merged.mkdir(parents=True)
@@ -277,15 +297,20 @@ def test_every_stage_command_parses_with_its_script(profile, tmp_path):
     (tmp_path / "target").mkdir()
     for name in ("config.json", "tokenizer_config.json"):  # what the parsers look for
         (tmp_path / "target" / name).write_text("{}")
-    steps = PhaseSteps(tmp_path, profile, PROFILES[profile], StageRunner(tmp_path / "r"), 0.0)
-    p = PROFILES[profile]
+    steps = PhaseSteps(tmp_path, profile, p, StageRunner(tmp_path / "r"), 0.0)
     commands = {"01": steps.prepare_args("recipe_train.json"), "01b": steps.generate_args(),
                 "merge": list(p.merge), "02b": steps.extract_args("fp8"),
                 "03": steps.vocab_args(), "04": steps.train_args(tmp_path / "main"),
                 "05": steps.bench_args(1.0, 8)}
-    for stage, args in commands.items():
-        cfg = parse_config(_script_config(stage), ["--workdir", str(tmp_path), *map(str, args)])
-        assert cfg.workdir == tmp_path, stage
+    commands.update({f"04 {n}": steps.same_states_args(n) for n in SAME_STATE_RUNS
+                     if n in p.phase3})
+    for label, args in commands.items():
+        cfg = parse_config(_script_config(label.split()[0]),
+                           ["--workdir", str(tmp_path), *map(str, args)])
+        assert cfg.workdir == tmp_path, label
+    if "mla" in p.phase3:
+        assert parse_config(_script_config("04"), ["--workdir", str(tmp_path), *map(
+            str, commands["04 mla"])]).draft_arch == "mla"
     assert steps.state["steps_per_epoch"]["main"] == max(1, 40 * min(700, p.train_max_seq_len)
                                                          // p.pack_tokens)
 
@@ -441,3 +466,64 @@ def test_smoke_rerun_redoes_nothing(smoke_run):
     assert main(["--profile", "smoke", "--phase", "1", "2", "3", "--workdir", str(workdir)]) == 0
     assert json.loads((workdir / "results" / "stages.json").read_text()) == before
     assert json.loads((workdir / "results" / "state.json").read_text())["done"] == done
+
+
+def test_smoke_summary_compares_every_draft_with_main_from_the_runs_own_files(smoke_run):
+    from reference.compare import COMPARE_ROWS
+    from reference.report import draft_params
+
+    workdir = smoke_run[0]
+    s = json.loads((workdir / "results" / "summary.json").read_text())
+    rows = {r["key"]: r for r in s["comparison"]}
+    assert list(rows) == list(COMPARE_ROWS)
+    for key in ("main", "mla", "fp8", "fp8_all", "topk", "topk_tail"):
+        row, (_, train, states) = rows[key], COMPARE_ROWS[key]
+        assert row["evaluated"], key
+        for steps in ("3", "7"):
+            m = s["sweeps"][key]["steps"][steps]
+            assert row["steps"][steps]["acceptance"] == m["acceptance_length"]
+            assert 1.0 <= m["acceptance_length"] <= int(steps) + 1
+            assert 0.0 <= row["steps"][steps]["loop_share"] <= 1.0
+        assert row["parameters"] == draft_params(workdir / key / "04_train" / "final") > 0
+        assert row["train_tok_s"] == s["stages"][train]["manifest"]["outputs"]["tok_s"] > 0
+        assert row["bytes_per_token"] == s["stages"][states]["throughput"]["bytes_per_token"]
+        accept = [row["steps"][k]["acceptance"] / rows["main"]["steps"][k]["acceptance"]
+                  for k in ("3", "7")]
+        assert [row["delta_pct"][f"acceptance_{k}"] for k in ("3", "7")] == pytest.approx(
+            [100 * (a - 1) for a in accept])
+    assert rows["mla"]["parameters"] != rows["main"]["parameters"]  # another architecture
+    assert rows["mla"]["bytes_per_token"] == rows["main"]["bytes_per_token"]  # the same states
+    assert rows["topk"]["delta_pct"]["bytes_per_token"] < 0
+    assert not rows["fp8gemm"]["evaluated"]  # not in the smoke profile's phase 3
+    md = (workdir / "results" / "summary.md").read_text()
+    assert "### Drafts compared" in md and "| MLA, bf16 states | " in md
+
+
+def test_smoke_fp8gemm_draft_trains_on_mains_states_and_joins_the_comparison(smoke_run):
+    """After the smoke run: phase 3 again with only the fp8gemm draft (04 --fp8-gemm on, CPU)."""
+    import dataclasses
+    import time
+
+    if not has_fp8_gemm_flag():
+        pytest.skip(NO_FP8_GEMM)
+    from reference.report import write_report
+    from reference.run_reference import PROFILES
+    from reference.stages import StageRunner
+    from reference.steps import PhaseSteps
+
+    workdir = smoke_run[0]
+    profile = dataclasses.replace(PROFILES["smoke"], phase3=("fp8gemm",),
+                                  train_precision=("--fp8-gemm", "off"),
+                                  fp8gemm_train=("--fp8-gemm", "on"))
+    steps = PhaseSteps(workdir, "smoke", profile, StageRunner(workdir / "results"),
+                       time.time() + 3600)
+    steps.run_phase(3)
+    record = json.loads((workdir / "results" / "stages.json").read_text())["04 fp8gemm"]
+    assert record["rc"] == 0 and "--fp8-gemm on" in record["command"]
+    assert "--fp8-gemm off" not in record["command"]
+    assert ((workdir / "fp8gemm" / "02b_hidden_states").resolve()
+            == (workdir / "main" / "02b_hidden_states").resolve())
+    rows = {r["key"]: r for r in write_report(workdir, "smoke")["comparison"]}
+    assert rows["fp8gemm"]["evaluated"] and rows["fp8gemm"]["train_tok_s"] > 0
+    assert rows["fp8gemm"]["parameters"] == rows["main"]["parameters"]  # the same draft shape
+    assert rows["fp8gemm"]["delta_pct"]["acceptance_3"] is not None
