@@ -67,6 +67,10 @@ from reference.steps import PhaseSteps
 log = logging.getLogger("reference")
 
 
+DEFAULT_PHASE3 = ("controls", "bench_t1", "checkpoints", "fp8", "fp8_all", "topk", "topk_tail",
+                  "mla", "sizes")
+
+
 @dataclass(frozen=True)
 class Profile:
     """Every size of a reference run (flags are passed to the scripts as written)."""
@@ -98,8 +102,7 @@ class Profile:
     teacher_topk: int = 64  # 02b --teacher-topk of the fp8-topk layout runs
     # Phase-3 work after main's evaluation, in the order it is started (reference/phase3.py
     # PHASE3_WORK names): what the budget cuts is the end of this tuple.
-    phase3: tuple[str, ...] = ("controls", "bench_t1", "checkpoints", "fp8", "fp8_all", "topk",
-                               "topk_tail", "mla", "sizes")
+    phase3: tuple[str, ...] = DEFAULT_PHASE3
     train_precision: tuple[str, ...] = ()  # 04 flags of every draft but fp8gemm
     fp8gemm_train: tuple[str, ...] = ()  # 04 flags of the fp8gemm draft (main's bf16 states)
 
@@ -146,7 +149,7 @@ PROFILES = {
     # measured by the `h200` run), done by a second --phase 3 command.
     "h200-compare": Profile(
         device="cuda", corpus=("--pipeline-samples", "2400"),
-        target=("--preset", "ref-100m", "--train-seconds", "180", "--batch-size", "64",
+        target=("--preset", "ref-100m", "--train-seconds", "120", "--batch-size", "64",
                 "--seq-len", "1024", "--lr", "1e-3"),
         prepare=(),
         generate=("--max-new-tokens", "192", "--batch-size", "256", "--dtype", "bfloat16"),
@@ -157,8 +160,8 @@ PROFILES = {
                "--log-every", "20"),
         epochs=4, train_max_seq_len=1024, pack_tokens=8192, eval_dtype="float32",
         bench_prompts=4, bench_max_new=192, bench_t1_prompts=0,
-        sweep_prompts=16, sweep_max_new=160, control_prompts=8, control_max_new=96,
-        size_fractions=(), deadline_s=1400.0, eval_workers=6,
+        sweep_prompts=12, sweep_max_new=160, control_prompts=8, control_max_new=96,
+        size_fractions=(), deadline_s=1000.0, eval_workers=6,
         phase3=("mla", "fp8_all", "topk", "topk_tail", "fp8gemm", "fp8"),
         train_precision=("--fp8-gemm", "off"), fp8gemm_train=("--fp8-gemm", "on")),
     "smoke": Profile(
@@ -178,6 +181,8 @@ PROFILES = {
         bench_prompts=2, bench_max_new=16, bench_t1_prompts=2, sweep_prompts=2,
         sweep_max_new=16, control_prompts=2, control_max_new=8, size_fractions=(0.25, 0.5),
         deadline_s=3600.0, eval_workers=2, teacher_topk=16,
+        phase3=(*DEFAULT_PHASE3, "fp8gemm"),
+        train_precision=("--fp8-gemm", "off"), fp8gemm_train=("--fp8-gemm", "on"),
         threads=1),  # toy matrices: one thread beats several fighting over a shared CPU
 }
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
