@@ -83,9 +83,11 @@ class TrainConfig(UpstreamStageFlags):
                          choices=["auto", "flex", "naive"])
     compile: bool | None = arg(None, "torch.compile the TTT forward (the first steps compile; "
                                      "None = on for cuda, off for cpu; --no-compile = eager)")
-    fp8_gemm: str = arg("auto", "the draft's linear layers in FP8 (e4m3, per-row scales; "
-                                "eagle3/train/fp8.py): auto = on for CUDA GPUs that have FP8 "
-                                "(Ada, Hopper and newer), off on CPU", choices=list(FP8_MODES))
+    fp8_gemm: str = arg("off", "the draft's linear layers in FP8 (e4m3, per-row scales; "
+                               "eagle3/train/fp8.py); experimental: compiled on an H200 it cut "
+                               "the backward graph (BENCHMARKS.md), which the first step's "
+                               "gradient check refuses; auto = on for CUDA GPUs that have FP8",
+                        choices=list(FP8_MODES))
     tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
     sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
                                            "capture layers whose first index is not 2)")
@@ -227,6 +229,25 @@ def _raise_if_nonfinite(flag: torch.Tensor) -> None:
         raise FloatingPointError(f"step {step}: gradient norm was not finite; its update was "
                                  "skipped and the run stops here (resume from the last "
                                  "checkpoint with a lower --lr or --max-grad-norm)")
+
+
+class TrainError(RuntimeError):
+    """The training itself went wrong (not its input): the message says what and what to do."""
+
+
+def _raise_if_gradient_missing(draft: Eagle3Draft, rt: Runtime) -> None:
+    """After the first step of a process: when some parameters got a gradient and others none
+    (or all zeros), the backward graph is cut somewhere; training on would update only the
+    layers after the cut while every log looks fine. One host sync per run."""
+    norms = {n: (p.grad.abs().amax() if p.grad is not None else None)
+             for n, p in draft.named_parameters()}
+    missing = [n for n, g in norms.items() if g is None or float(g) == 0.0]
+    if missing and len(missing) < len(norms):
+        hint = (" (this run trains with FP8 GEMMs: rerun with --fp8-gemm off)" if rt.fp8
+                else "")
+        raise TrainError(f"the first training step gave no gradient to {', '.join(missing)} "
+                         f"while the other parameters got one: the backward graph is cut"
+                         f"{hint}")
 
 
 @torch.no_grad()
@@ -378,6 +399,8 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
         if last_step:
             break
         step_loss = _micro_steps(run, window)
+        if step == start_step:
+            _raise_if_gradient_missing(draft, rt)
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.max_grad_norm,
                                                    foreach=True)
         _guard_nonfinite(optimizer, grad_norm, step, bad_step)

@@ -94,7 +94,15 @@ def test_a_layer_whose_size_is_not_a_multiple_of_16_is_refused_by_name():
         use_fp8_gemms(draft)
 
 
-def test_the_flag_is_on_by_default_only_on_cuda_and_on_works_on_cpu():
+def test_04_is_off_by_default_while_the_compiled_cuda_path_is_unverified():
+    from eagle3.train.distributed import DistInfo
+    from eagle3.train.loop import TrainConfig, build_runtime
+
+    assert TrainConfig(target=Path("t")).fp8_gemm == "off"
+    assert build_runtime(TrainConfig(target=Path("t")), torch.device("cpu"), DistInfo()).fp8 is False
+
+
+def test_auto_is_on_only_on_cuda_and_on_works_on_cpu():
     cpu = torch.device("cpu")
     assert resolve_mode("auto", cpu) is False
     assert resolve_mode("on", cpu) is True
@@ -137,3 +145,19 @@ def first_eval_loss(out_dir: Path) -> float:
 
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return next(r["eval_loss"][0] for r in rows if "eval_loss" in r)
+
+
+def test_a_backward_graph_cut_stops_04_at_its_first_step_naming_the_parameters(
+        tiny_data, tmp_path, monkeypatch):
+    from eagle3.draft.model import MLP
+    from eagle3.train.loop import TrainError
+
+    def cut(self, x):  # the MLP's output reaches the loss, its gradient goes nowhere
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
+                              ).detach()
+
+    monkeypatch.setattr(MLP, "forward", cut)
+    with pytest.raises(TrainError, match=r"midlayer\.mlp\.up_proj\.weight.*--fp8-gemm off"):
+        th.run_tiny(tiny_data, tmp_path / "cut", kv_heads=2, fp8_gemm="on")
+    assert not (tmp_path / "cut" / "checkpoints").exists() or not any(
+        (tmp_path / "cut" / "checkpoints").glob("step_*"))
