@@ -29,7 +29,7 @@ def _drop_keys(obj, keys: tuple) -> None:
 def stage_snapshot(stage_dir: Path, workdir: Path, run_counts: tuple = (),
                    count_files: tuple = ()) -> dict[str, bytes]:
     """Every file of a stage folder by relative name with its bytes; manifest.json without its
-    timestamps, and without the `run_counts` keys anywhere under its outputs nor in the JSON
+    timestamps, and without the `run_counts` keys anywhere in it nor in the JSON
     files named in `count_files` (what this run did, such as 02b's `written` /
     `skipped_existing` or 01b's requests per run), and the workdir's path written `<workdir>`
     (two runs live in two folders)."""
@@ -40,7 +40,7 @@ def stage_snapshot(stage_dir: Path, workdir: Path, run_counts: tuple = (),
         data = p.read_bytes()
         if p.name == "manifest.json" and p.parent == Path(stage_dir):
             manifest = {k: v for k, v in json.loads(data).items() if k not in VOLATILE}
-            _drop_keys(manifest.get("outputs", {}), run_counts)
+            _drop_keys(manifest, run_counts)
             data = json.dumps(manifest, sort_keys=True).encode()
         elif p.name in count_files:
             counts = json.loads(data)

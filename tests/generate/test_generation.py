@@ -240,10 +240,11 @@ def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float =
         time.sleep(0.01)
 
 
-# What one run did, not what the stage holds: done.json and the manifest keep them per run.
+# What one run did, not what the stage holds: done.json and the manifest keep them per run;
+# and the manifest's disk_bytes, which counts done.json (whose run counts vary in digits).
 RUN_COUNTS = ("generated", "stop", "length", "dropped_length", "output_tokens", "requests",
               "retries", "abandoned", "max_inflight", "short_jobs", "long_jobs", "seconds",
-              "servers", "resumed", "appended_stop_token")
+              "servers", "resumed", "appended_stop_token", "disk_bytes")
 
 
 def test_resumed_folder_equals_uninterrupted_run_when_killed_at_random_moments(
