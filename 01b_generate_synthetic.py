@@ -7,7 +7,9 @@ Reads `<workdir>/01_prepared/*/conversations.jsonl`; writes
 and `quarantine.jsonl` (conversations that cannot be rendered). Datasets whose recipe entry says
 `"regenerate": false` keep their replies, rendered with the target's chat template.
 Killed (even with SIGKILL) and re-run with the same command, it resumes by record id; Ctrl-C
-once lets the requests in flight finish, twice abandons them.
+once lets the requests in flight finish, twice abandons them. Answers are appended as they
+complete; when a dataset is done its files are rewritten in the order of its conversations, so
+a resumed run ends with the files of an uninterrupted one.
 
 Backends: `sglang` (the real run: native /generate, exact output ids), `openai` (any
 /v1/chat/completions server; the reply is re-rendered with the template), `hf` (in process).
@@ -41,6 +43,7 @@ from eagle3.generate.jobs import (
     done_ids,
     run_generation,
     tokenize_kept,
+    write_in_job_order,
 )
 from eagle3.generate.backends import OpenAIBackend, SGLangBackend
 from eagle3.generate.runner import Interrupted, RunnerConfig, connect, run_remote
@@ -147,6 +150,9 @@ def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, genera
         bar.close()
     finally:
         sink.close()
+    ids = [j.id for j in jobs]  # every job answered: the files in conversation order
+    for f in ("tokenized.jsonl", "raw.jsonl", "failures.jsonl"):
+        write_in_job_order(out_dir / f, ids)
     counts.update(resumed=len(done), failure_reasons=sink.failure_reasons, jobs=len(jobs))
     return counts
 

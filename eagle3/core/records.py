@@ -79,6 +79,11 @@ class JsonlAppender:
         self._f.flush()
         os.fsync(self._f.fileno())
 
+    def hand_to_os(self) -> None:
+        """Pass the buffered lines to the OS: they survive a kill of this process (not a power
+        loss), so a line written to another file after this one cannot outlive it."""
+        self._f.flush()
+
     def close(self) -> None:
         self.flush()
         self._f.close()

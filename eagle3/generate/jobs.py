@@ -19,7 +19,10 @@ it became a record; after a kill between the two writes a raw line may repeat, t
 wins), `failures.jsonl` (records that failed for good this run, with the reason) and
 `quarantine.jsonl` (conversations that cannot be rendered). A record is done when it is in
 `tokenized.jsonl` or its raw answer says `"kept": false` (dropped on purpose, e.g. cut by the
-length limit under `--no-keep-length`).
+length limit under `--no-keep-length`). Lines are appended as answers complete; once every job
+of a dataset has its answer, `write_in_job_order` rewrites the three files in the order of the
+conversations (one line per id, the last one of a repeated raw line), so a killed and resumed
+run ends with the same files as an uninterrupted one, whatever the completion order.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Iterator
 
 from eagle3.core.chat import ChatRenderer, RenderError, split_for_generation
 from eagle3.core.records import JsonlAppender, TokenizedRecord
+from eagle3.core.stage import atomic_writer
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,34 @@ def line_ids(path: Path, suffix: bytes | None = None) -> set[str]:
             m = _ID_PREFIX.match(line)
             ids.add(json.loads(m.group(1)) if m else json.loads(line)["id"])
     return ids
+
+
+def write_in_job_order(path: Path, ids: list[str]) -> None:
+    """Rewrite a JSONL output with one line per id, in the order of `ids` (lines of other ids
+    after them, in file order); of lines sharing an id the last wins. Streams: only each line's
+    offset is held, so a multi-GB file costs its index, not its size. Atomic: a kill leaves the
+    old file (and a temp the next run sweeps)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    where: dict[str, tuple[int, int]] = {}
+    with path.open("rb") as f:
+        offset = 0
+        for line in f:
+            if not line.endswith(b"\n"):
+                break  # a torn last line: not a record
+            m = _ID_PREFIX.match(line)
+            rid = json.loads(m.group(1)) if m else json.loads(line)["id"]
+            where.pop(rid, None)  # the last line of an id wins, at its own place
+            where[rid] = (offset, len(line))
+            offset += len(line)
+    rank = {rid: k for k, rid in enumerate(ids)}
+    order = sorted(where, key=lambda rid: rank.get(rid, len(rank)))  # stable: others in file order
+    with path.open("rb") as src, atomic_writer(path) as out:
+        for rid in order:
+            start, size = where[rid]
+            src.seek(start)
+            out.write(src.read(size))
 
 
 def done_ids(out_dir: Path) -> set[str]:
@@ -142,6 +174,7 @@ class RecordSink:
         # raw first: a kill between the two writes repeats this raw line on resume (harmless)
         # rather than losing it; `kept: false` marks the record done without a record.
         self.raw.write({**raw, "kept": kept})
+        self.raw.hand_to_os()  # else a kill could keep the record and lose its raw line
         self.counts["generated"] += 1
         self.counts[reason] = self.counts.get(reason, 0) + 1
         self.counts["output_tokens"] += record["n_response_tokens"]

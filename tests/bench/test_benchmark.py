@@ -311,3 +311,46 @@ def test_benchmark_script_refuses_a_draft_before_starting_anything(tmp_path, tin
     with pytest.raises(PreflightError, match="eagle_aux_hidden_state_layer_ids"):
         _bench(argv)
     assert not (tmp_path / "05_benchmark").exists()
+
+
+# Timings of one run (wall-clock speeds): the only keys of 05 --backend hf's results.json and
+# manifest that may differ between two runs of the same command; and the manifest's
+# disk_bytes, which counts results.json (whose speeds vary in digits).
+TIMINGS = ("baseline_tok_s", "tok_s", "speedup", "disk_bytes")
+
+
+def test_05_hf_folder_is_identical_when_killed_at_several_moments_and_rerun(tmp_path,
+                                                                             tiny_target_dir,
+                                                                             tiny_draft):
+    """SIGKILL at three moments of 05 --backend hf, then a full run: the same file names, the
+    plot byte for byte, results.json and the manifest equal but for TIMINGS (and the manifest's
+    timestamps), and report.md exactly what results.json renders to."""
+    from stage_helpers import assert_same_folder, kill_at_fractions, timed_run
+
+    root = Path(__file__).resolve().parents[2]
+
+    def cmd(w):
+        return [sys.executable, str(root / "05_benchmark.py"), "--workdir", str(tmp_path / w),
+                "--target", str(tiny_target_dir), "--draft", str(tiny_draft), "--backend", "hf",
+                "--prompt-sets", "chat", "--num-prompts", "3", "--steps", "2", "3",
+                "--max-new-tokens", "16", "--log-level", "WARNING"]
+
+    timing = timed_run(cmd("ref"), lambda: (tmp_path / "ref/05_benchmark").exists(), root)
+    seen = []  # what each kill left: the folder's files, or None before 05 made it
+
+    def look():
+        d = tmp_path / "run/05_benchmark"
+        seen.append(sorted(p.name for p in d.iterdir()) if d.exists() else None)
+
+    killed = kill_at_fractions(cmd("run"), timing, (0.05, 0.5, 0.97), root, look)
+    assert killed >= 2 and any(s is not None for s in seen), seen  # killed inside the work
+    timed_run(cmd("run"), lambda: True, root)
+    for w in ("ref", "run"):
+        folder = tmp_path / w / "05_benchmark"
+        results = json.loads((folder / "results.json").read_text())
+        assert (folder / "report.md").read_text() == report_markdown(results)
+        (folder / "report.md").unlink()  # compared through results.json
+        (folder / "results.json").write_text(json.dumps(results, sort_keys=True))
+    assert_same_folder(tmp_path / "run/05_benchmark", tmp_path / "run",
+                       tmp_path / "ref/05_benchmark", tmp_path / "ref", run_counts=TIMINGS,
+                       count_files=("results.json",))

@@ -139,3 +139,44 @@ def test_report_gives_coverage_per_origin_and_warns_when_dataset_text_chose_the_
     only_target = count_supervised_by_origin(path, 10, {})[:, :]
     only_target[1:] = 0
     assert report(only_target.sum(0), hot, by_origin=only_target)["warnings"] == []
+
+
+def test_03_folder_is_identical_when_killed_at_several_moments_and_rerun(tmp_path,
+                                                                          tiny_target_dir):
+    """SIGKILL at three moments of 03's work, then a full run: the same files, byte for byte,
+    as an uninterrupted run (manifest.json without its timestamps), and no temp file left."""
+    import sys
+    from pathlib import Path
+
+    from stage_helpers import assert_same_folder, kill_at_fractions, timed_run
+
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(5_000):
+        ids = rng.integers(0, vocab, 64).tolist()
+        lines.append(json.dumps({"id": f"s/{i}", "source": "s", "finish_reason": "stop",
+                                 "input_ids": ids, "loss_mask": [0] * 8 + [1] * 56}) + "\n")
+    for w in ("ref", "run"):
+        (tmp_path / w / "01c_merged").mkdir(parents=True)
+        (tmp_path / w / "01c_merged/train.jsonl").write_text("".join(lines))
+        (tmp_path / w / "01c_merged/manifest.json").write_text(json.dumps({"complete": True}))
+    root = Path(__file__).resolve().parents[2]
+
+    def cmd(w):
+        return [sys.executable, str(root / "03_build_vocab_mapping.py"), "--workdir",
+                str(tmp_path / w), "--target", str(tiny_target_dir), "--draft-vocab", "64",
+                "--log-level", "WARNING"]
+
+    timing = timed_run(cmd("ref"), lambda: (tmp_path / "ref/03_vocab").exists(), root)
+    seen = []  # what each kill left: the folder's files, or None before 03 made it
+
+    def look():
+        d = tmp_path / "run/03_vocab"
+        seen.append(sorted(p.name for p in d.iterdir()) if d.exists() else None)
+
+    killed = kill_at_fractions(cmd("run"), timing, (0.03, 0.4, 0.9), root, look)
+    assert killed >= 2 and any(s is not None for s in seen), seen  # killed inside the work
+    timed_run(cmd("run"), lambda: True, root)
+    assert_same_folder(tmp_path / "run/03_vocab", tmp_path / "run",
+                       tmp_path / "ref/03_vocab", tmp_path / "ref")
