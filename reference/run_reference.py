@@ -67,10 +67,6 @@ from reference.steps import PhaseSteps
 log = logging.getLogger("reference")
 
 
-DEFAULT_PHASE3 = ("controls", "bench_t1", "checkpoints", "fp8", "fp8_all", "topk", "topk_tail",
-                  "mla", "sizes")
-
-
 @dataclass(frozen=True)
 class Profile:
     """Every size of a reference run (flags are passed to the scripts as written)."""
@@ -102,7 +98,8 @@ class Profile:
     teacher_topk: int = 64  # 02b --teacher-topk of the fp8-topk layout runs
     # Phase-3 work after main's evaluation, in the order it is started (reference/phase3.py
     # PHASE3_WORK names): what the budget cuts is the end of this tuple.
-    phase3: tuple[str, ...] = DEFAULT_PHASE3
+    phase3: tuple[str, ...] = ("controls", "bench_t1", "checkpoints", "fp8", "fp8_all", "topk",
+                               "topk_tail", "mla", "sizes")
     train_precision: tuple[str, ...] = ()  # 04 flags of every draft but fp8gemm
     fp8gemm_train: tuple[str, ...] = ()  # 04 flags of the fp8gemm draft (main's bf16 states)
 
@@ -181,7 +178,6 @@ PROFILES = {
         bench_prompts=2, bench_max_new=16, bench_t1_prompts=2, sweep_prompts=2,
         sweep_max_new=16, control_prompts=2, control_max_new=8, size_fractions=(0.25, 0.5),
         deadline_s=3600.0, eval_workers=2, teacher_topk=16,
-        phase3=(*DEFAULT_PHASE3, "fp8gemm"),
         train_precision=("--fp8-gemm", "off"), fp8gemm_train=("--fp8-gemm", "on"),
         threads=1),  # toy matrices: one thread beats several fighting over a shared CPU
 }
