@@ -84,29 +84,44 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return t if not extra else F.pad(t, (0, 0, 0, extra))
 
 
-class Fp8Matmul(torch.autograd.Function):
-    """`x @ w^T` with the three GEMMs in FP8 (x `[M, K]`, w `[N, K]`)."""
+@torch.library.custom_op("eagle3::fp8_mm", mutates_args=())
+def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b^T` in FP8, each operand quantised along K (rows of a and b), as one operator.
 
-    @staticmethod
-    def forward(ctx, x_MK, w_NK, out_dtype):
-        ctx.save_for_backward(x_MK, w_NK)
-        return _scaled_mm(x_MK, w_NK, out_dtype)
+    An operator rather than an `autograd.Function`: torch.compile treats it as opaque and takes
+    its gradient from `register_autograd` below; it never inlines the forward. A compiled H200
+    step with the `autograd.Function` form got no gradient through these layers at all (see
+    BENCHMARKS.md, "FP8 GEMMs"), as if the custom backward had been dropped and the
+    quantisation, which has no derivative, differentiated instead.
+    """
+    return _scaled_mm(a_MK, b_NK, out_dtype)
 
-    @staticmethod
-    def backward(ctx, g_MN):
-        # Both gradients always, not only those `ctx.needs_input_grad` asks for: a compiled H200
-        # step that asked it ran no flex-attention backward at all (q/k/v got no gradient).
-        # Autograd drops a gradient no input needs (fc's: the aux states are data).
-        x_MK, w_NK = ctx.saved_tensors
-        g_MN = g_MN.contiguous()
-        grad_x = _scaled_mm(g_MN, w_NK.t(), x_MK.dtype)  # g @ w: contraction over N
-        g_pad, x_pad = _pad_rows(g_MN), _pad_rows(x_MK)  # zero rows add nothing to g^T @ x
-        grad_w = _scaled_mm(g_pad.t(), x_pad.t(), w_NK.dtype)
-        return grad_x, grad_w, None
+
+@fp8_mm.register_fake
+def _fp8_mm_shape(a_MK, b_NK, out_dtype):
+    return a_MK.new_empty((a_MK.shape[0], b_NK.shape[0]), dtype=out_dtype)
+
+
+def _fp8_mm_save(ctx, inputs, output) -> None:
+    a_MK, b_NK, _ = inputs
+    ctx.save_for_backward(a_MK, b_NK)  # the high-precision operands: no more than bf16 saves
+
+
+def _fp8_mm_backward(ctx, g_MN):
+    """Both gradients in FP8: `g @ b` (contraction over N) and `g^T @ a` (over M, zero rows
+    added to a multiple of 16: they add nothing)."""
+    a_MK, b_NK = ctx.saved_tensors
+    g_MN = g_MN.contiguous()
+    grad_a = fp8_mm(g_MN, b_NK.t(), a_MK.dtype)
+    grad_b = fp8_mm(_pad_rows(g_MN).t(), _pad_rows(a_MK).t(), b_NK.dtype)
+    return grad_a, grad_b, None
+
+
+fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_save)
 
 
 class Fp8Linear(nn.Linear):
-    """`nn.Linear` whose training-mode forward runs Fp8Matmul (same parameters and state_dict
+    """`nn.Linear` whose training-mode forward runs fp8_mm (same parameters and state_dict
     keys; eval mode is the plain GEMM)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +129,7 @@ class Fp8Linear(nn.Linear):
             return super().forward(x)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
             x.device.type) else x.dtype
-        y = Fp8Matmul.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight, dtype)
+        y = fp8_mm(x.reshape(-1, x.shape[-1]).to(dtype), self.weight, dtype)
         if self.bias is not None:
             y = y + self.bias.to(dtype)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import train_helpers as th
-from eagle3.train.fp8 import (E4M3, Fp8Linear, Fp8Matmul, quantize_rows, resolve_mode,
-                              use_fp8_gemms)
+from eagle3.train import fp8 as fp8_module
+from eagle3.train.fp8 import E4M3, Fp8Linear, fp8_mm, quantize_rows, resolve_mode, use_fp8_gemms
 
 
 def simulated(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def operands(M=40, K=64, N=48):
 def test_forward_and_both_gradients_equal_the_float64_simulation_of_rowwise_e4m3():
     x, w = operands()
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = Fp8Matmul.apply(xr, wr, torch.float32)
+    y = fp8_mm(xr, wr, torch.float32)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
     y.backward(g)
     # each result against the same rounding done in float64 (only bf16 output rounding apart),
@@ -52,10 +52,36 @@ def test_forward_and_both_gradients_equal_the_float64_simulation_of_rowwise_e4m3
     assert 1e-3 < rel(y, x.double() @ w.double().t()) < 0.08
 
 
+def test_compiled_step_keeps_the_fp8_operator_whole_and_its_gradients_equal_eager():
+    """torch.compile must call the operator (and its registered backward), never inline it."""
+    draft, _, _ = th.tiny_parts(kv_heads=2)
+    use_fp8_gemms(draft)
+    mlp = draft.midlayer.mlp
+    x = torch.randn(2, 24, mlp.gate_proj.in_features)
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward  # run the captured graph as it is
+
+    def grads(fn):
+        mlp.zero_grad(set_to_none=True)
+        fn(x).square().sum().backward()
+        return [p.grad.clone() for p in mlp.parameters()]
+
+    eager = grads(mlp)
+    compiled = grads(torch.compile(mlp, backend=backend))
+    assert any("eagle3.fp8_mm" in t for t in seen), seen
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, compiled))
+    aot = grads(torch.compile(mlp, backend="aot_eager"))  # the joint graph AOTAutograd builds
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, aot))
+    assert all(bool(g.ne(0).any()) for g in aot)
+
+
 def test_weight_gradient_pads_a_row_count_that_is_not_a_multiple_of_16():
     x, w = operands(M=37)
     wr = w.clone().requires_grad_()
-    Fp8Matmul.apply(x, wr, torch.float32).sum().backward()
+    fp8_mm(x, wr, torch.float32).sum().backward()
     ones = torch.ones(37, 48)
     assert rel(wr.grad, simulated(ones.t(), x.t())) < 1e-2
 
@@ -123,13 +149,13 @@ def tiny_data(tmp_path_factory) -> Path:
 
 def test_04_with_fp8_gemms_learns_like_the_fp32_run(tiny_data, tmp_path, monkeypatch):
     calls = {"n": 0}
-    original = Fp8Matmul.forward
+    original = fp8_module._scaled_mm
 
-    def counted(ctx, *a):
+    def counted(*a):
         calls["n"] += 1
-        return original(ctx, *a)
+        return original(*a)
 
-    monkeypatch.setattr(Fp8Matmul, "forward", staticmethod(counted))
+    monkeypatch.setattr(fp8_module, "_scaled_mm", counted)
     fp8, _ = th.run_tiny(tiny_data, tmp_path / "fp8", kv_heads=2, fp8_gemm="on", epochs=3)
     assert fp8["fp8_gemm"] is True and calls["n"] > 0
     n = calls["n"]
