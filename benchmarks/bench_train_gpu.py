@@ -473,7 +473,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def parse_config(name: str) -> tuple[str, dict]:
+def parse_row_name(name: str) -> tuple[str, dict]:
     """(base config, options) of a row name such as `flex+compile+fp8@8192` (module doc)."""
     name, _, seq = name.partition("@")
     parts = name.split("+")
@@ -485,7 +485,7 @@ def parse_config(name: str) -> tuple[str, dict]:
 
 def run_config(args, name: str, device: torch.device, results: dict) -> dict:
     """One configuration, its failure recorded instead of raised."""
-    base, opts = parse_config(name)
+    base, opts = parse_row_name(name)
     if opts["seq"]:
         args = argparse.Namespace(**{**vars(args), "seq": opts["seq"]})
     fp8 = opts["fp8"]
