@@ -29,14 +29,14 @@ Or phase by phase, each command within 10 minutes:
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 1 --workdir /tmp/ref --out $OUT
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 2 --workdir /tmp/ref --out $OUT
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --phase 3 --workdir /tmp/ref --out $OUT
-The comparison of issues 16/17 alone (`--profile h200-compare`: the sizes of `h200`, 05 at
-temperature 0 on 4 prompts, phase 3 only the drafts of reference/compare.py: main, mla, fp8_all,
-topk, topk_tail, fp8gemm, fp8, each evaluated at 3 and 7 steps; no controls, 05 at temperature
-1, checkpoint evaluations or data-size runs). Estimated 1131 s (~19 min; how: the comment of the
-profile, from the `h200` run's stage times); past its deadline (1400 s) the last drafts of its
-`phase3` (fp8 first) are left to a second command:
+The comparison of issues 16/17 alone (`--profile h200-compare`: the sizes of `h200` but a target
+trained 120 s and 12 sweep prompts, 05 at temperature 0 on 4 prompts, phase 3 only the drafts of
+reference/compare.py: main, mla, fp8_all, topk, topk_tail, fp8gemm, fp8, each evaluated at 3 and
+7 steps; no controls, 05 at temperature 1, checkpoint evaluations or data-size runs). Measured
+2026-12-01: phases 1-3 in about 17 minutes of one H200 with --deadline-s 1000, which cut fp8gemm
+and fp8 (BENCHMARKS.md); a later `--phase 3` command on the same machine does what was cut:
     python3 reference/follow.py --workdir /tmp/refc --profile h200-compare --start \
-        --deadline-s 1400 --wait-s 560
+        --deadline-s 1000 --wait-s 560
     python3 reference/follow.py --workdir /tmp/refc --wait-s 560    # again while it runs
     PYTHONUNBUFFERED=1 python3 reference/run_reference.py --profile h200-compare --phase 3 \
         --workdir /tmp/refc --out $OUT    # only if the summary lists skipped work
@@ -130,20 +130,13 @@ PROFILES = {
         bench_prompts=20, bench_max_new=192, bench_t1_prompts=10,
         sweep_prompts=16, sweep_max_new=160, control_prompts=8, control_max_new=96,
         size_fractions=(0.25, 0.5), deadline_s=540.0, eval_workers=6),
-    # The comparison of issues 16/17 within ~17 minutes of one H200: corpus, target, 01, 01b,
-    # merge, 02b and 04 as `h200` (figures comparable with its run); phase 3 only the drafts of
-    # the comparison (reference/compare.py), most wanted first. Estimate, from the stage times
-    # of the `h200` run (BENCHMARKS.md, "GPU reference pipeline"): phase 1 315 s (measured);
-    # phase 2 157 s without 05 + 05 t0 on 4 prompts instead of 20, (255 - 5) / 20 * 4 + 5 = 55 s;
-    # phase 3: three 02b alone, 3 x 26 s = 80 s (fp8 alone: 26 s), then six 04 one after another
-    # beside the evaluations, fp8 / fp8_all / topk / topk_tail 49 s each (04 fp8: 48.8 s) plus
-    # mla and fp8gemm (a graph to compile, not measured here) ~100 s each = 400 s, then the last
-    # draft's evaluation alone (chains 3 and 7, 16 x 160: 124 s for fp8). Total
-    # 315 + 212 + 80 + 400 + 124 = 1131 s, ~19 min. The deadline is a safety net above it:
-    # the budget's estimates are conservative (an evaluation: 255 s estimated x 1.5 side by
-    # side where fp8's took 124 s; a layout's 04: 189 s where it took 49 s), and one started
-    # after 1400 - 383 s would be skipped. What it cuts is the end of `phase3` (fp8, already
-    # measured by the `h200` run), done by a second --phase 3 command.
+    # The comparison of issues 16/17 within ~17 minutes of one H200: corpus, 01, 01b, merge, 02b
+    # and 04 as `h200`, the target trained 120 s instead of 180 s and the sweeps on 12 prompts
+    # instead of 16 (its figures compare with each other, not with the `h200` run's); phase 3
+    # only the drafts of the comparison (reference/compare.py), most wanted first. Estimated
+    # from the `h200` run's stage times at 1131 s with the 180 s target and 16 prompts; measured
+    # 2026-12-01 with these sizes: phases 1-3 in ~17 min, the deadline (1000 s) cutting the last
+    # two drafts of `phase3` (fp8gemm, fp8), which a second --phase 3 command does.
     "h200-compare": Profile(
         device="cuda", corpus=("--pipeline-samples", "2400"),
         target=("--preset", "ref-100m", "--train-seconds", "120", "--batch-size", "64",

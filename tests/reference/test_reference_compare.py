@@ -27,12 +27,19 @@ def test_profile_refuses_the_fp8gemm_draft_without_its_04_flags():
         dataclasses.replace(PROFILES["smoke"], phase3=("fp8gemm",), fp8gemm_train=())
 
 
-def test_compare_profile_keeps_the_h200_sizes_of_every_stage_before_phase3():
+def test_compare_profile_keeps_the_h200_sizes_but_the_targets_training_time_and_prompts():
+    """What fits one device session: the target trains 120 s instead of 180 s and the sweeps
+    use 12 prompts instead of 16 (the profile's comment); everything else is h200's."""
     h200, compare = PROFILES["h200"], PROFILES["h200-compare"]
-    for name in ("device", "corpus", "target", "prepare", "generate", "merge", "extract",
+    for name in ("device", "corpus", "prepare", "generate", "merge", "extract",
                  "draft_vocab", "train", "epochs", "train_max_seq_len", "pack_tokens",
-                 "eval_dtype", "sweep_prompts", "sweep_max_new", "teacher_topk"):
+                 "eval_dtype", "sweep_max_new", "teacher_topk"):
         assert getattr(compare, name) == getattr(h200, name), name
+    seconds = compare.target.index("--train-seconds") + 1
+    assert compare.target[:seconds] + compare.target[seconds + 1:] == (
+        h200.target[:seconds] + h200.target[seconds + 1:])
+    assert (compare.target[seconds], h200.target[seconds]) == ("120", "180")
+    assert (compare.sweep_prompts, h200.sweep_prompts) == (12, 16)
 
 
 class FakePool:
