@@ -36,6 +36,8 @@ from eagle3.train.distributed import DistInfo
 from eagle3.draft.mla import build_draft_model, mla_draft_config, read_mla_dims
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.train.log import MetricsLog, metrics_line
+from eagle3.train.guards import (TrainError, guard_nonfinite, raise_if_gradient_missing,
+                                  raise_if_nonfinite)
 from eagle3.train.fp8 import MODES as FP8_MODES, resolve_mode as resolve_fp8, use_fp8_gemms
 from eagle3.train.teacher import TOPK_MODES
 from eagle3.train.ttt import TTTModel, num_stats, stats_dict
@@ -211,46 +213,6 @@ def _topk_arg(batch: dict) -> dict | None:
     return {k: batch[k] for k in ("teacher_ids", "teacher_logprobs", "has_final")}
 
 
-def _guard_nonfinite(optimizer, grad_norm, step: int, flag: torch.Tensor) -> None:
-    """Keep a non-finite update from being applied: fused AdamW skips it on the device (no sync)
-    and `flag` records the first such step; other optimizers check at once."""
-    bad = ~torch.isfinite(grad_norm)
-    if not optimizer.defaults.get("fused"):
-        if bool(bad):
-            raise FloatingPointError(f"step {step}: gradient norm {float(grad_norm)} is not "
-                                     "finite; stopping before the update")
-        return
-    optimizer.found_inf = bad.float()
-    flag.copy_(torch.where(bad & (flag < 0), torch.full_like(flag, step), flag))
-
-
-def _raise_if_nonfinite(flag: torch.Tensor) -> None:
-    step = int(flag)  # host sync: only at log / eval / save points
-    if step >= 0:
-        raise FloatingPointError(f"step {step}: gradient norm was not finite; its update was "
-                                 "skipped and the run stops here (resume from the last "
-                                 "checkpoint with a lower --lr or --max-grad-norm)")
-
-
-class TrainError(RuntimeError):
-    """The training itself went wrong (not its input): the message says what and what to do."""
-
-
-def _raise_if_gradient_missing(draft: Eagle3Draft, rt: Runtime) -> None:
-    """After the first step of a process: when some parameters got a gradient and others none
-    (or all zeros), the backward graph is cut somewhere; training on would update only the
-    layers after the cut while every log looks fine. One host sync per run."""
-    norms = {n: (p.grad.abs().amax() if p.grad is not None else None)
-             for n, p in draft.named_parameters()}
-    missing = [n for n, g in norms.items() if g is None or float(g) == 0.0]
-    if missing and len(missing) < len(norms):
-        hint = (" (this run trains with FP8 GEMMs: rerun with --fp8-gemm off)" if rt.fp8
-                else "")
-        raise TrainError(f"the first training step gave no gradient to {', '.join(missing)} "
-                         f"while the other parameters got one: the backward graph is cut"
-                         f"{hint}")
-
-
 @torch.no_grad()
 def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainConfig,
              rt: Runtime, width: int, estimate: AcceptanceEstimate, topk: int = 0) -> dict:
@@ -390,10 +352,10 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             group["lr"] = lr
         due = last_step or step % cfg.eval_every == 0
         if due and not (resumed and step == start_step):  # done before that save
-            _raise_if_nonfinite(bad_step)
+            raise_if_nonfinite(bad_step)
             last_eval = _run_eval(run, step)
         if step > start_step and (last_step or step % cfg.save_every == 0):
-            _raise_if_nonfinite(bad_step)
+            raise_if_nonfinite(bad_step)
             state.step, state.ema_loss, state.nonfinite_step = step, float(ema), int(bad_step)
             state.last_eval = last_eval
             _save(run, step, state, window)
@@ -401,10 +363,10 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             break
         step_loss = _micro_steps(run, window)
         if step == start_step:
-            _raise_if_gradient_missing(draft, rt)
+            raise_if_gradient_missing(draft, rt.fp8)
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.max_grad_norm,
                                                    foreach=True)
-        _guard_nonfinite(optimizer, grad_norm, step, bad_step)
+        guard_nonfinite(optimizer, grad_norm, step, bad_step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if rt.dist.enabled:  # the mean over ranks (a device collective, no host sync)
@@ -412,7 +374,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
         ema.mul_(0.9).add_(0.1 * step_loss)  # debiased by the global step count when logged
         window.steps += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == num_steps:
-            _raise_if_nonfinite(bad_step)
+            raise_if_nonfinite(bad_step)
             state.tokens += _log_window(run, step + 1, window, ema, grad_norm, lr)
             window = Window(cfg.ttt_steps, rt.device)
     metrics.close()

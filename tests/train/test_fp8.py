@@ -176,7 +176,7 @@ def first_eval_loss(out_dir: Path) -> float:
 def test_a_backward_graph_cut_stops_04_at_its_first_step_naming_the_parameters(
         tiny_data, tmp_path, monkeypatch):
     from eagle3.draft.model import MLP
-    from eagle3.train.loop import TrainError
+    from eagle3.train.guards import TrainError
 
     def cut(self, x):  # the MLP's output reaches the loss, its gradient goes nowhere
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
