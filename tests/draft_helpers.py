@@ -64,10 +64,47 @@ def mla_draft(seed: int = 0, fc_norm: bool = False, norm_output: bool = False) -
     return _randomise(Eagle3MLADraft(cfg), seed)
 
 
-def llama_draft(seed: int = 0, fc_norm: bool = False, norm_output: bool = False) -> Eagle3Draft:
-    """A small Llama-style draft of the same widths, random weights."""
+def llama_draft(seed: int = 0, fc_norm: bool = False, norm_output: bool = False,
+                rope_theta: float = 10000.0) -> Eagle3Draft:
+    """A small Llama-style draft of the same widths (GQA: 4 heads, 2 kv heads of 8), random
+    weights and d2t."""
     cfg = DraftConfig(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=2,
                       head_dim=8, intermediate_size=INTER, vocab_size=VT, draft_vocab_size=VD,
                       target_hidden_size=H, capture_layers=[2, 4, 5], fc_norm=fc_norm,
-                      norm_output=norm_output)
+                      norm_output=norm_output, rope_theta=rope_theta)
     return _randomise(Eagle3Draft(cfg), seed)
+
+
+class ChainReference:
+    """Base of the tests' float64 serving references: `extend(ids, aux)` -> (rows, cache) and
+    `token(id, hidden, pos, cache)` -> (logits, next hidden) come from the subclass."""
+
+    def decode(self, ids: list[int], rows, cache, anchor: int, steps: int, feed=None):
+        """Logits of steps 0..steps-1 at `anchor`: decode steps on a copy of the cache holding
+        rows 0..anchor. `feed(k, logits)` picks step k's input token (default: ids[anchor+1+k])."""
+        cache = list(cache[: anchor + 1])
+        logits, hidden = rows[anchor]
+        out = [logits]
+        for k in range(1, steps):
+            token = ids[anchor + 1 + k] if feed is None else feed(k, out[-1])
+            logits, hidden = self.token(token, hidden, anchor + k, cache)
+            out.append(logits)
+        return out
+
+
+def assert_unroll_matches(ref: ChainReference, logits: list, seqs: list[list[int]], aux,
+                          steps: int) -> None:
+    """Every training-unroll logit `logits[k][0, row]` of the packed `seqs` equals the
+    reference's step k at that anchor (step k needs token t+1+k inside its sequence)."""
+    start, compared = 0, 0
+    for s in seqs:
+        rows, cache = ref.extend(s, aux[0, start:start + len(s)])
+        for t in range(len(s) - 1):
+            for k, expected in enumerate(ref.decode(s, rows, cache, t,
+                                                    min(steps, len(s) - 1 - t))):
+                torch.testing.assert_close(logits[k][0, start + t].double(), expected,
+                                           rtol=1e-4, atol=1e-4)
+                compared += 1
+        start += len(s)
+    assert compared == sum(sum(min(steps, n - 1 - t) for t in range(n - 1))
+                           for n in map(len, seqs))

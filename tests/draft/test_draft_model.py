@@ -15,31 +15,23 @@ import math
 import pytest
 import torch
 
-from eagle3.draft.model import FLEX_BLOCK, DraftConfig, Eagle3Draft, StepCache, TTTMasks
+from eagle3.draft.model import FLEX_BLOCK, Eagle3Draft, StepCache, TTTMasks
 from eagle3.train.ttt import SoftCrossEntropy, TTTModel
 
-from draft_helpers import masked_math_flex, packed_row
+from draft_helpers import (ChainReference, assert_unroll_matches, llama_draft, masked_math_flex,
+                           packed_row)
 
 H, HEADS, KV_HEADS, D, INTER, VT, VD, K = 32, 4, 2, 8, 48, 60, 24, 4
 
 
 def _draft(seed: int = 0, fc_norm: bool = False, norm_output: bool = False) -> Eagle3Draft:
-    cfg = DraftConfig(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      head_dim=D, intermediate_size=INTER, vocab_size=VT, draft_vocab_size=VD,
-                      target_hidden_size=H, rms_norm_eps=1e-6, rope_theta=500.0,
-                      capture_layers=[2, 4, 5], fc_norm=fc_norm, norm_output=norm_output)
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(cfg)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if p.dim() == 1 else 0.3 * torch.randn_like(p))
-    return draft
+    return llama_draft(seed, fc_norm, norm_output, rope_theta=500.0)
 
 
 # ---------------------------------------------------------------- the independent reference
 
 
-class Reference:
+class Reference(ChainReference):
     """SGLang's draft computation, float64, token by token, with an explicit KV list."""
 
     def __init__(self, draft: Eagle3Draft, embed: torch.Tensor):
@@ -95,18 +87,6 @@ class Reference:
             rows.append(self.token(ids[i + 1], h, i, kv))
         return rows, kv
 
-    def decode(self, ids: list[int], rows, kv, anchor: int, steps: int, feed=None):
-        """Logits of steps 0..steps-1 at `anchor`: decode steps on a copy of the cache holding
-        rows 0..anchor. `feed(k, logits)` picks step k's input token (default: ids[anchor+1+k])."""
-        cache = list(kv[: anchor + 1])
-        logits, hidden = rows[anchor]
-        out = [logits]
-        for k in range(1, steps):
-            token = ids[anchor + 1 + k] if feed is None else feed(k, out[-1])
-            logits, hidden = self.token(token, hidden, anchor + k, cache)
-            out.append(logits)
-        return out
-
 
 @pytest.mark.parametrize("attention,options", [("naive", False), ("flex", False),
                                                ("naive", True)])
@@ -121,18 +101,7 @@ def test_training_unroll_matches_serving_reference_when_sequences_are_packed(att
     model = TTTModel(draft, embed, torch.randn(VD, H), K, 0.8, attention)
     with torch.no_grad():
         logits = list(model.unroll(ids, doc, pos, aux, model.build_masks(doc)))
-    ref = Reference(draft, embed)
-    start, compared = 0, 0
-    for s in seqs:
-        rows, kv = ref.extend(s, aux[0, start:start + len(s)])
-        for t in range(len(s) - 1):
-            steps = min(K, len(s) - 1 - t)  # step k needs token t+1+k inside the sequence
-            for k, expected in enumerate(ref.decode(s, rows, kv, t, steps)):
-                got = logits[k][0, start + t].double()
-                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-                compared += 1
-        start += len(s)
-    assert compared == sum(sum(min(K, n - 1 - t) for t in range(n - 1)) for n in (13, 9))
+    assert_unroll_matches(Reference(draft, embed), logits, seqs, aux, K)
 
 
 def test_serving_steps_match_reference_when_one_anchor_drafts_a_chain():

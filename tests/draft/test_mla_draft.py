@@ -20,12 +20,12 @@ from eagle3.draft.mla import mla_draft_config, read_mla_dims
 from eagle3.draft.model import FLEX_BLOCK, DraftConfig
 from eagle3.train.ttt import TTTModel
 
-from draft_helpers import (H, HEADS, KVL, NOPE, ROPE, V, VD, VT, masked_math_flex, mla_draft,
-                           packed_row)
+from draft_helpers import (H, HEADS, KVL, NOPE, ROPE, V, VD, VT, ChainReference,
+                           assert_unroll_matches, masked_math_flex, mla_draft, packed_row)
 
 K = 4
 
-class SGLangMLAReference:
+class SGLangMLAReference(ChainReference):
     """kimi_k25_eagle3.py's draft, float64, token by token, absorbed MLA with a latent cache."""
 
     def __init__(self, draft, embed):
@@ -86,16 +86,6 @@ class SGLangMLAReference:
             rows.append(self.token(ids[i + 1], self.w["fc.weight"] @ x, i, cache))
         return rows, cache
 
-    def decode(self, ids, rows, cache, anchor: int, steps: int, feed=None):
-        cache = list(cache[: anchor + 1])
-        logits, hidden = rows[anchor]
-        out = [logits]
-        for k in range(1, steps):
-            token = ids[anchor + 1 + k] if feed is None else feed(k, out[-1])
-            logits, hidden = self.token(token, hidden, anchor + k, cache)
-            out.append(logits)
-        return out
-
 
 @pytest.mark.parametrize("attention,options", [("naive", False), ("naive", True),
                                                ("flex", True)])
@@ -111,16 +101,7 @@ def test_mla_training_unroll_matches_sglang_reference_when_sequences_are_packed(
     model = TTTModel(draft, embed, torch.randn(VD, H), K, 0.8, attention)
     with torch.no_grad():
         logits = model.unroll(ids, doc, pos, aux, model.build_masks(doc))
-    ref, start, compared = SGLangMLAReference(draft, embed), 0, 0
-    for s in seqs:
-        rows, cache = ref.extend(s, aux[0, start:start + len(s)])
-        for t in range(len(s) - 1):
-            for k, expected in enumerate(ref.decode(s, rows, cache, t, min(K, len(s) - 1 - t))):
-                torch.testing.assert_close(logits[k][0, start + t].double(), expected,
-                                           rtol=1e-4, atol=1e-4)
-                compared += 1
-        start += len(s)
-    assert compared == sum(sum(min(K, n - 1 - t) for t in range(n - 1)) for n in (11, 8))
+    assert_unroll_matches(SGLangMLAReference(draft, embed), logits, seqs, aux, K)
 
 
 @pytest.mark.parametrize("options", [False, True])
