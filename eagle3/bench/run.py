@@ -301,21 +301,28 @@ def measure_server(base_url: str, role: str, prompt_sets: list[PromptSet],
                 records, wall = await run_level(base_url, ps.prompts, c, load,
                                                 f"{role}-{ps.name}-c{c}", bar)
                 out[ps.name][str(c)] = summarize_level(records, wall)
-                log.info("%s %s c=%d: %s", role, ps.name, c, _brief(out[ps.name][str(c)]))
-                if sink is not None:
-                    for r in records:
-                        sink.write({"role": role, "prompt_set": ps.name, "concurrency": c,
-                                    "prompt_id": ps.ids[r.prompt_index] if ps.ids else None,
-                                    **asdict(r)})
+                log.info("%s %s c=%d: %s", role, ps.name, c, brief_level(out[ps.name][str(c)]))
+                write_level_records(sink, role, ps, c, records)
         return out
 
     return asyncio.run(go())
 
 
-def _brief(s: dict) -> str:
+def write_level_records(sink, role: str, ps, concurrency: int, records) -> None:
+    """One line per request of a level to `sink` (None: nothing), tagged with where it ran."""
+    if sink is None:
+        return
+    for r in records:
+        sink.write({"role": role, "prompt_set": ps.name, "concurrency": concurrency,
+                    "prompt_id": ps.ids[r.prompt_index] if ps.ids else None, **asdict(r)})
+
+
+def brief_level(s: dict) -> str:
+    """One log line of a level's summary: speed, and acceptance with the loop share beside it."""
     acc = s["acceptance_length"]
     return (f"{s['total_tok_s']:.1f} tok/s total, {s['per_request_tok_s']:.1f} per request"
-            + (f", acceptance {acc:.3f}" if acc is not None else ""))
+            + (f", acceptance {acc:.3f} (loop share {s['loop_share']:.0%})"
+               if acc is not None else ""))
 
 
 def combine(baseline: dict, speculative: dict) -> dict:

@@ -43,7 +43,8 @@ from pathlib import Path
 import aiohttp
 
 from eagle3.core.preflight import PreflightError, Problem
-from eagle3.bench.run import LoadSettings, run_level, summarize_level
+from eagle3.bench.run import (LoadSettings, brief_level, run_level, summarize_level,
+                              write_level_records)
 from eagle3.core.launcher import LaunchedServer
 from eagle3.core.server import ServerError, get_json
 
@@ -320,8 +321,6 @@ def measure_vllm_server(url: str, role: str, prompt_sets, concurrencies: list[in
                         load: LoadSettings, model: str, sink=None, bar=None,
                         warmup_tokens: int = 16) -> dict:
     """{prompt set: {concurrency: summary + acceptance figures}} of one vLLM server."""
-    from eagle3.bench.loops import loop_stats  # the loop-share definition (one home)
-
     send = completion_sender(model)
 
     async def go() -> dict:
@@ -337,18 +336,12 @@ def measure_vllm_server(url: str, role: str, prompt_sets, concurrencies: list[in
                     records, wall = await run_level(url, ps.prompts, c, load,
                                                     f"{role}-{ps.name}-c{c}", bar, send=send)
                     delta = (await fetch_spec_counters(session, url)).minus(before)
-                    summary = summarize_level(records, wall)
+                    summary = summarize_level(records, wall)  # loop share included
                     summary.update(acceptance_figures(delta, records))
-                    summary["loop_share"] = loop_stats([r.output_ids for r in records]).share
                     summary["outputs"] = {r.prompt_index: r.output_ids for r in records}
                     out[ps.name][str(c)] = summary
-                    log.info("%s %s c=%d: %.1f tok/s, acceptance %s", role, ps.name, c,
-                             summary["total_tok_s"], summary["acceptance_length"])
-                    if sink is not None:
-                        for r in records:
-                            sink.write({"role": role, "prompt_set": ps.name, "concurrency": c,
-                                        "prompt_id": ps.ids[r.prompt_index] if ps.ids else None,
-                                        **r.__dict__})
+                    log.info("%s %s c=%d: %s", role, ps.name, c, brief_level(summary))
+                    write_level_records(sink, role, ps, c, records)
         return out
 
     return asyncio.run(go())
