@@ -91,7 +91,7 @@ MEASURED_VLLM = """How these figures are measured: tok/s, TTFT and speedup as fo
 requests); acceptance length = 1 + accepted / drafts from the deltas of vLLM's
 `vllm:spec_decode_*` counters over the level; tokens/round = (completion tokens - 1 a request) /
 drafts, from the outputs; per-position = accepted at position i / drafts; loop share = share of
-the speculative outputs' tokens inside repetition loops (reference/loop_share.py)."""
+the speculative outputs' tokens inside repetition loops (eagle3/bench/loops.py)."""
 
 
 def _vllm_markdown(results: dict) -> str:
