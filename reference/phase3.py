@@ -23,7 +23,7 @@ from pathlib import Path
 from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
 from reference.parallel import JobPool
 from reference.stages import ROOT, SCRIPTS, export_checkpoint
-from reference.steps import LAYOUT_RUNS, SAME_STATE_RUNS
+from reference.steps import LAYOUT_RUNS, SAME_STATE_RUNS, PhaseSteps
 
 log = logging.getLogger(__name__)
 
@@ -205,21 +205,14 @@ def _checkpoints(ph: Phase3) -> None:
         ph.evaluate(f"eval checkpoint {step}", EvalSpec(f"ckpt_{step}", draft, [3], **ph.sweep))
 
 
-def _layout(name: str):
-    """A storage layout of issue 17 (steps.LAYOUT_RUNS): trained here, then evaluated."""
+def _trained(name: str, train, estimate):
+    """A draft trained here by `train(phases, name)` (budgeted by `estimate(phases)`), then
+    evaluated: the storage layouts of issue 17 (steps.LAYOUT_RUNS) and the drafts on main's own
+    states (steps.SAME_STATE_RUNS)."""
     def run(ph: Phase3) -> None:
-        ph.phases.task(f"train {name}", lambda: ph.phases.train_layout(name),
-                       ph.phases.fp8_estimate())
-        ph.evaluate_trained(name, ph.phases.root / name)
-    return run
-
-
-def _same_states(name: str):
-    """A draft trained on main's own states (steps.SAME_STATE_RUNS), then evaluated."""
-    def run(ph: Phase3) -> None:
-        ph.phases.task(f"train {name}", lambda: ph.phases.train_same_states(name),
-                       ph.phases.same_states_estimate())
-        ph.evaluate_trained(name, ph.phases.root / name)
+        phases = ph.phases
+        phases.task(f"train {name}", lambda: train(phases, name), estimate(phases))
+        ph.evaluate_trained(name, phases.root / name)
     return run
 
 
@@ -238,9 +231,12 @@ def _sizes(ph: Phase3) -> None:
 # Phase-3 work by name (Profile.phase3 lists which, in order). Beside main's evaluation, each
 # one submits evaluations to the pool; the trained ones train here first (one 04 at a time, so
 # that each one's tokens/s is its own).
-PHASE3_WORK = {"controls": _controls, "bench_t1": lambda ph: ph.bench_t1(),
-               "checkpoints": _checkpoints, **{n: _layout(n) for n in LAYOUT_RUNS},
-               **{n: _same_states(n) for n in SAME_STATE_RUNS}, "sizes": _sizes}
+PHASE3_WORK = {
+    "controls": _controls, "bench_t1": lambda ph: ph.bench_t1(), "checkpoints": _checkpoints,
+    **{n: _trained(n, PhaseSteps.train_layout, PhaseSteps.fp8_estimate) for n in LAYOUT_RUNS},
+    **{n: _trained(n, PhaseSteps.train_same_states, PhaseSteps.same_states_estimate)
+       for n in SAME_STATE_RUNS},
+    "sizes": _sizes}
 
 
 def intermediate_steps(root: Path) -> list[int]:
