@@ -54,7 +54,7 @@ from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
 from eagle3.draft.mla import build_draft_model
 from eagle3.draft.model import DraftConfig
 from eagle3.train.flops import micro_step_flops
-from eagle3.train.fp8 import use_fp8_gemms
+from eagle3.train.fp8 import refresh_fp8_weights, use_fp8_gemms
 from eagle3.core.stage import atomic_torch_save
 from eagle3.train.ttt import TTTModel
 
@@ -186,6 +186,7 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
         if ev:
             ev[0].record()
         masks = model.build_masks(batch["doc_ids"], compile_mask=cuda)
+        refresh_fp8_weights(model.draft)  # as 04 does: the e4m3 weight copies, once per step
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss, _ = forward(batch["input_ids"], batch["loss_mask"], batch["doc_ids"],
                               batch["positions"], batch["aux"], batch["final"], masks=masks)
@@ -362,6 +363,7 @@ def loss_curve(args, device: torch.device, fp8: bool = False, seed: int = 0) -> 
     losses, stats = [], []
     for step in range(args.curve_steps):
         b = batches[step % 4]
+        refresh_fp8_weights(model.draft)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss, st = forward(b["input_ids"], b["loss_mask"], b["doc_ids"], b["positions"],
                                b["aux"], b["final"], masks=masks[step % 4])

@@ -69,12 +69,13 @@ def quantize_rows(t_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _scaled_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b^T` from high-precision operands, each quantised along K (rows of a and b). The
-    GEMM writes bf16 (the one output dtype of rowwise-scaled CUDA kernels), cast to `out_dtype`."""
-    qa, sa = quantize_rows(a_MK)
-    qb, sb = quantize_rows(b_NK)
-    out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
+def _scaled_mm(qa_MK: torch.Tensor, sa_M1: torch.Tensor, qb_NK: torch.Tensor, sb_N1: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b^T` from e4m3 operands quantised along K (rows of a and b) and their row scales.
+    The GEMM writes bf16 (the one output dtype of rowwise-scaled CUDA kernels), cast to
+    `out_dtype`."""
+    out = torch._scaled_mm(qa_MK.contiguous(), qb_NK.contiguous().t(), scale_a=sa_M1,
+                           scale_b=sb_N1.t(), out_dtype=torch.bfloat16)
     return out.to(out_dtype)
 
 
@@ -84,55 +85,129 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return t if not extra else F.pad(t, (0, 0, 0, extra))
 
 
-@torch.library.custom_op("eagle3::fp8_mm", mutates_args=())
-def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b^T` in FP8, each operand quantised along K (rows of a and b), as one operator.
+@torch.library.custom_op("eagle3::fp8_linear", mutates_args=())
+def fp8_linear(x_MK: torch.Tensor, qx_MK: torch.Tensor, sx_M1: torch.Tensor, w_NK: torch.Tensor,
+               qw_NK: torch.Tensor, sw_N1: torch.Tensor, qwt_KN: torch.Tensor,
+               swt_K1: torch.Tensor) -> torch.Tensor:
+    """`x @ w^T` in FP8 as one operator: `qx`/`sx` is x quantised along K, `qw`/`sw` w along K
+    (the forward GEMM), `qwt`/`swt` w^T along N (the input gradient's GEMM). `x` and `w` are
+    here for the backward (the weight gradient quantises x along M) and to route gradients.
 
     An operator rather than an `autograd.Function`: torch.compile treats it as opaque and takes
-    its gradient from `register_autograd` below; it never inlines the forward. A compiled H200
-    step with the `autograd.Function` form got no gradient through these layers at all (see
-    BENCHMARKS.md, "FP8 GEMMs"), as if the custom backward had been dropped and the
-    quantisation, which has no derivative, differentiated instead.
+    its gradient from `register_autograd` below. A compiled H200 step with the
+    `autograd.Function` form got no gradient through these layers at all (BENCHMARKS.md, "FP8
+    GEMMs"). The quantisations happen outside it, in traced code, where torch.compile fuses them
+    into the neighbouring kernels.
     """
-    return _scaled_mm(a_MK, b_NK, out_dtype)
+    return _scaled_mm(qx_MK, sx_M1, qw_NK, sw_N1, x_MK.dtype)
 
 
-@fp8_mm.register_fake
-def _fp8_mm_shape(a_MK, b_NK, out_dtype):
-    return a_MK.new_empty((a_MK.shape[0], b_NK.shape[0]), dtype=out_dtype)
+@fp8_linear.register_fake
+def _fp8_linear_shape(x_MK, qx_MK, sx_M1, w_NK, qw_NK, sw_N1, qwt_KN, swt_K1):
+    return x_MK.new_empty((x_MK.shape[0], qw_NK.shape[0]))
 
 
-def _fp8_mm_save(ctx, inputs, output) -> None:
-    a_MK, b_NK, _ = inputs
-    ctx.save_for_backward(a_MK, b_NK)  # the high-precision operands: no more than bf16 saves
+def _fp8_linear_save(ctx, inputs, output) -> None:
+    x_MK, _, _, w_NK, _, _, qwt_KN, swt_K1 = inputs
+    # the bf16 input (as the bf16 path saves) and the weight's cached fp8 copy: no new memory
+    ctx.save_for_backward(x_MK, qwt_KN, swt_K1)
+    ctx.w_dtype = w_NK.dtype
 
 
-def _fp8_mm_backward(ctx, g_MN):
-    """Both gradients in FP8: `g @ b` (contraction over N) and `g^T @ a` (over M, zero rows
-    added to a multiple of 16: they add nothing)."""
-    a_MK, b_NK = ctx.saved_tensors
-    g_MN = g_MN.contiguous()
-    grad_a = fp8_mm(g_MN, b_NK.t(), a_MK.dtype)
-    grad_b = fp8_mm(_pad_rows(g_MN).t(), _pad_rows(a_MK).t(), b_NK.dtype)
-    return grad_a, grad_b, None
+def _fp8_linear_backward(ctx, g_MN):
+    """Both gradients in FP8: `g @ w` (g quantised along N, w^T cached) and `g^T @ x` (both
+    quantised along M, zero rows added to a multiple of 16: they add nothing)."""
+    x_MK, qwt_KN, swt_K1 = ctx.saved_tensors
+    qg, sg = quantize_rows(g_MN)
+    grad_x = _scaled_mm(qg, sg, qwt_KN, swt_K1, x_MK.dtype)
+    qgt, sgt = quantize_rows(_pad_rows(g_MN).t())
+    qxt, sxt = quantize_rows(_pad_rows(x_MK).t())
+    grad_w = _scaled_mm(qgt, sgt, qxt, sxt, ctx.w_dtype)
+    return grad_x, None, None, grad_w, None, None, None, None
 
 
-fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_save)
+fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_fp8_linear_save)
+
+
+def fp8_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """`x @ w^T` in FP8 with both operands quantised here (Fp8Linear caches w's instead)."""
+    qx, sx = quantize_rows(x_MK.detach())
+    with torch.no_grad():
+        qw, sw = quantize_rows(w_NK)
+        qwt, swt = quantize_rows(w_NK.t())
+    return fp8_linear(x_MK, qx, sx, w_NK, qw, sw, qwt, swt)
+
+
+_quantize_weight_compiled = None
+
+
+def _quantize_weight(w: torch.Tensor) -> tuple:
+    """quantize_rows of w and of w^T; compiled on CUDA (one fused kernel each, eager caller)."""
+    global _quantize_weight_compiled
+    fn = quantize_rows
+    if w.device.type == "cuda":
+        if _quantize_weight_compiled is None:
+            _quantize_weight_compiled = torch.compile(quantize_rows, dynamic=True)
+        fn = _quantize_weight_compiled
+    return (*fn(w), *fn(w.t()))
 
 
 class Fp8Linear(nn.Linear):
-    """`nn.Linear` whose training-mode forward runs fp8_mm (same parameters and state_dict
-    keys; eval mode is the plain GEMM)."""
+    """`nn.Linear` whose training-mode forward runs fp8_linear (same parameters and state_dict
+    keys; eval mode is the plain GEMM).
+
+    The weight's two e4m3 copies (along K for the forward, along N for the input gradient) are
+    non-persistent buffers, quantised again only when the weight has changed (its version
+    counter, bumped by the optimizer's in-place update, or a new storage): once per optimizer
+    step, not once per TTT step and GEMM. Eager calls refresh them by themselves; a compiled
+    forward cannot (it would cut the graph), so a trainer calls `refresh_fp8_weights` before
+    each forward (04's loop and the GPU benchmark do).
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return super().forward(x)
+        if not torch.compiler.is_compiling():
+            self.refresh()
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
             x.device.type) else x.dtype
-        y = fp8_mm(x.reshape(-1, x.shape[-1]).to(dtype), self.weight, dtype)
+        x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
+        qx, sx = quantize_rows(x_MK.detach())
+        y = fp8_linear(x_MK, qx, sx, self.weight, self.fp8_w, self.fp8_w_scale, self.fp8_wt,
+                       self.fp8_wt_scale)
         if self.bias is not None:
             y = y + self.bias.to(dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def attach(self) -> None:
+        N, K = self.weight.shape
+        dev = self.weight.device
+        for name, shape in (("fp8_w", (N, K)), ("fp8_wt", (K, N))):
+            self.register_buffer(name, torch.empty(shape, dtype=E4M3, device=dev),
+                                 persistent=False)
+            self.register_buffer(name + "_scale", torch.empty((shape[0], 1), device=dev),
+                                 persistent=False)
+        self.fp8_key = None
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> bool:
+        """Quantise the weight again if it changed since the last time; returns whether it did."""
+        w = self.weight
+        key = (w.device, w.data_ptr(), w._version)
+        if key == self.fp8_key and self.fp8_w.device == w.device:
+            return False
+        for buf, new in zip((self.fp8_w, self.fp8_w_scale, self.fp8_wt, self.fp8_wt_scale),
+                            _quantize_weight(w.detach())):
+            buf.copy_(new)  # in place: a compiled graph keeps reading the same buffers
+        self.fp8_key = key
+        return True
+
+
+def refresh_fp8_weights(model: nn.Module) -> int:
+    """Re-quantise the weights of `model`'s Fp8Linear layers that changed; returns how many did.
+    Call before each training forward that runs compiled (cheap when nothing changed)."""
+    return sum(m.refresh() for m in model.modules() if isinstance(m, Fp8Linear))
 
 
 def use_fp8_gemms(draft: nn.Module, skip: tuple[str, ...] = SKIPPED) -> list[str]:
@@ -150,5 +225,6 @@ def use_fp8_gemms(draft: nn.Module, skip: tuple[str, ...] = SKIPPED) -> list[str
                              f"{module.out_features}; FP8 GEMMs need multiples of {ALIGN}: "
                              f"use --fp8-gemm off")
         module.__class__ = Fp8Linear
+        module.attach()
         converted.append(name)
     return converted

@@ -38,7 +38,8 @@ from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.train.log import MetricsLog, metrics_line
 from eagle3.train.guards import (TrainError, guard_nonfinite, raise_if_gradient_missing,
                                   raise_if_nonfinite)
-from eagle3.train.fp8 import MODES as FP8_MODES, resolve_mode as resolve_fp8, use_fp8_gemms
+from eagle3.train.fp8 import (MODES as FP8_MODES, refresh_fp8_weights, resolve_mode as resolve_fp8,
+                              use_fp8_gemms)
 from eagle3.train.teacher import TOPK_MODES
 from eagle3.train.ttt import TTTModel, num_stats, stats_dict
 
@@ -394,6 +395,8 @@ def _micro_steps(run: TrainRun, window: Window) -> torch.Tensor:
     for micro_step in range(cfg.grad_accum):
         batch = feed.next()
         masks = model.build_masks(batch["doc_ids"], compile_mask=rt.device.type == "cuda")
+        if rt.fp8:  # the weights' e4m3 copies, after the last optimizer step (fp8.Fp8Linear)
+            refresh_fp8_weights(run.draft)
         no_sync = rt.dist.enabled and micro_step < cfg.grad_accum - 1  # all-reduce once
         with ddp.no_sync() if no_sync else contextlib.nullcontext():
             with rt.autocast():

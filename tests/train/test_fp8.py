@@ -11,7 +11,8 @@ from torch import nn
 
 import train_helpers as th
 from eagle3.train import fp8 as fp8_module
-from eagle3.train.fp8 import E4M3, Fp8Linear, fp8_mm, quantize_rows, resolve_mode, use_fp8_gemms
+from eagle3.train.fp8 import (E4M3, Fp8Linear, fp8_matmul, quantize_rows, refresh_fp8_weights,
+                              resolve_mode, use_fp8_gemms)
 
 
 def simulated(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,7 @@ def operands(M=40, K=64, N=48):
 def test_forward_and_both_gradients_equal_the_float64_simulation_of_rowwise_e4m3():
     x, w = operands()
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = fp8_mm(xr, wr, torch.float32)
+    y = fp8_matmul(xr, wr)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
     y.backward(g)
     # each result against the same rounding done in float64 (only bf16 output rounding apart),
@@ -71,17 +72,68 @@ def test_compiled_step_keeps_the_fp8_operator_whole_and_its_gradients_equal_eage
 
     eager = grads(mlp)
     compiled = grads(torch.compile(mlp, backend=backend))
-    assert any("eagle3.fp8_mm" in t for t in seen), seen
+    assert any("eagle3.fp8_linear" in t for t in seen), seen
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, compiled))
     aot = grads(torch.compile(mlp, backend="aot_eager"))  # the joint graph AOTAutograd builds
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, aot))
     assert all(bool(g.ne(0).any()) for g in aot)
 
 
+def test_cached_weight_copies_follow_every_change_of_the_weight_and_only_then():
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 48, bias=False)
+    use_fp8_gemms(layer)  # a bare Linear converts too (its name is "")
+    assert isinstance(layer, Fp8Linear)
+
+    def fresh():
+        q, s = quantize_rows(layer.weight.detach())
+        qt, st = quantize_rows(layer.weight.detach().t())
+        return (torch.equal(layer.fp8_w.float(), q.float()) and torch.equal(layer.fp8_w_scale, s)
+                and torch.equal(layer.fp8_wt.float(), qt.float())
+                and torch.equal(layer.fp8_wt_scale, st))
+
+    assert fresh() and refresh_fp8_weights(layer) == 0  # unchanged: nothing re-quantised
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, foreach=True)
+    layer(torch.randn(16, 32)).sum().backward()
+    opt.step()  # an in-place update: the version counter moves
+    assert not fresh() and refresh_fp8_weights(layer) == 1 and fresh()
+    layer.load_state_dict({"weight": torch.randn(48, 32)})
+    assert refresh_fp8_weights(layer) == 1 and fresh()
+    assert "fp8_w" not in layer.state_dict()  # buffers, never saved
+
+
+def test_a_compiled_trainer_that_refreshes_the_weight_copies_trains_like_eager():
+    """Under torch.compile the layer cannot refresh itself: a loop that calls
+    refresh_fp8_weights before each forward equals eager; one that does not trains on stale
+    copies (the check can fail)."""
+    def train(compiled: bool, refresh: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        mlp = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 32))
+        use_fp8_gemms(mlp)
+        opt = torch.optim.SGD(mlp.parameters(), lr=0.5)
+        fn = torch.compile(mlp, backend="aot_eager") if compiled else mlp
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(4):
+            if refresh:
+                refresh_fp8_weights(mlp)
+            loss = fn(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    eager = train(False, True)
+    assert all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(eager, train(True, True)))
+    stale = train(True, False)
+    assert torch.equal(stale[0], eager[0]) and not torch.allclose(stale[-1], eager[-1], rtol=1e-3)
+
+
 def test_weight_gradient_pads_a_row_count_that_is_not_a_multiple_of_16():
     x, w = operands(M=37)
     wr = w.clone().requires_grad_()
-    fp8_mm(x, wr, torch.float32).sum().backward()
+    fp8_matmul(x, wr).sum().backward()
     ones = torch.ones(37, 48)
     assert rel(wr.grad, simulated(ones.t(), x.t())) < 1e-2
 
