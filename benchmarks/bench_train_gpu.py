@@ -270,19 +270,67 @@ def grad_check(model, forward, batch: dict, cuda: bool) -> dict:
         m.__class__ = torch.nn.Linear
     try:
         plain = grads(model)
+        # the noise floor: plain GEMMs again, the aux states perturbed by 1% (e4m3 rounds each
+        # operand by ~2-3%): how far this step's gradient moves for a rounding-sized change
+        aux = batch["aux"]
+        g = torch.Generator(device=aux.device).manual_seed(7)
+        batch = {**batch, "aux": aux * (1 + 0.01 * torch.randn(aux.shape, generator=g,
+                                                                device=aux.device, dtype=aux.dtype))}
+        perturbed = grads(model)
     finally:
         for m in converted:
             m.__class__ = Fp8Linear
+
+    def cos(a, b):
+        return float(torch.nn.functional.cosine_similarity(a.float().flatten(),
+                                                           b.float().flatten(), dim=0))
+
     cosine, missing = {}, []
     for name, ref in plain.items():
         got = fp8[name]
         if got is None or not bool(got.ne(0).any()):
             missing.append(name)
             continue
-        cosine[name] = float(torch.nn.functional.cosine_similarity(
-            got.float().flatten(), ref.float().flatten(), dim=0))
+        cosine[name] = cos(got, ref)
+    floor = {n: cos(perturbed[n], ref) for n, ref in plain.items()
+             if ref is not None and perturbed[n] is not None}
     return {"grad_cosine_min_vs_plain": min(cosine.values(), default=0.0),
-            "grad_cosine_vs_plain": cosine, "params_without_fp8_grad": missing}
+            "grad_cosine_vs_plain": cosine, "params_without_fp8_grad": missing,
+            "grad_cosine_min_plain_aux_1pct": min(floor.values(), default=0.0),
+            "grad_cosine_plain_aux_1pct": floor,
+            "op_check": op_check(model.draft, batch["aux"].device)}
+
+
+def op_check(draft, device: torch.device) -> dict:
+    """One FP8 layer at the draft's MLP size (4096 rows, hidden -> intermediate), compiled on
+    CUDA, against the same rounding done in float64: the relative error of the forward and of
+    both gradients (tests/train/test_fp8.py checks the same on CPU)."""
+    K, N = draft.cfg.hidden_size, draft.cfg.intermediate_size
+    cuda = device.type == "cuda"
+    M = 4096 if cuda else 64
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(K, N, bias=False, device=device)
+    use_fp8_gemms(layer)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    fn = torch.compile(layer) if cuda else layer
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+        y = fn(x)
+    y.backward(g)
+
+    def deq(t):
+        t = t.detach().double()
+        scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+        return (t / scale).to(torch.float8_e4m3fn).double() * scale
+
+    def rel(got, a, b):
+        want = deq(a) @ deq(b).t()
+        return float((got.double() - want).norm() / want.norm())
+
+    w = layer.weight
+    return {"rows": M, "in": K, "out": N, "forward_rel_err": rel(y, x, w),
+            "grad_input_rel_err": rel(x.grad, g, w.t()),
+            "grad_weight_rel_err": rel(w.grad, g.t(), x.t())}
 
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
@@ -571,6 +619,13 @@ def report(results: dict) -> str:
                  for key, _, fmt in columns]
         lines.append(f"{name:<14}" + "".join(f"{c:>11}" for c in cells))
     for name, r in results["configs"].items():
+        if "op_check" in r:
+            oc = r["op_check"]
+            lines.append(f"{name}: grad cos vs plain min {r['grad_cosine_min_vs_plain']:.4f}; "
+                         f"plain with aux +-1%: min {r['grad_cosine_min_plain_aux_1pct']:.4f}; "
+                         f"one FP8 layer vs float64 rounding ({oc['rows']}x{oc['in']}->"
+                         f"{oc['out']}): fwd {oc['forward_rel_err']:.1e}, grad in "
+                         f"{oc['grad_input_rel_err']:.1e}, grad w {oc['grad_weight_rel_err']:.1e}")
         if r.get("params_without_fp8_grad"):
             lines.append(f"{name}: NO GRADIENT in {r['params_without_fp8_grad']}")
     for name, gap in results.get("curve_gaps", {}).items():

@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=32, help="optimizer steps (one row each)")
     p.add_argument("--eval-files", type=int, default=4)
     p.add_argument("--num-workers", type=int, default=4)
+    p.add_argument("--fp8-gemm", default=None, choices=["auto", "on", "off"],
+                   help="04's --fp8-gemm (default: 04's default)")
     p.add_argument("--out", default=None, help="results folder (default: $OUT or ./bench_out)")
     return p.parse_args(argv)
 
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
                               [args.sample_tokens] * len(eval_files))
         cfg = loop.TrainConfig(target=tmp, workdir=tmp, max_seq_len=args.row,
                                pack_tokens=args.row, device=args.device,
-                               num_workers=args.num_workers, tensorboard=False, log_every=8)
+                               num_workers=args.num_workers, tensorboard=False, log_every=8,
+                               **({"fp8_gemm": args.fp8_gemm} if args.fp8_gemm else {}))
         dcfg = DraftConfig(**dims)
         draft = loop.build_draft(dcfg, 0, torch.zeros(dcfg.draft_vocab_size, dtype=torch.long),
                                  torch.zeros(dcfg.vocab_size, dtype=torch.bool))
@@ -138,7 +141,7 @@ def summarize(args, cfg, summary: dict, wall: float, evals: list, saves: list,
     period = (schedule["steps"] * step_s + schedule["evals"] * schedule["eval_samples"]
               * eval_per_sample + schedule["saves"] * (saves[-1] if saves else 0.0))
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "compiled": compiled, "row": args.row, "steps": args.steps, "tokens": tokens,
+            "compiled": compiled, "fp8_gemm": summary.get("fp8_gemm"), "row": args.row, "steps": args.steps, "tokens": tokens,
             "wall_s": wall, "stage_tok_s_this_run": tokens / wall,
             "step_tok_s": summary["tok_s"], "data_wait": summary["data_wait"],
             "eval_s": evals, "eval_s_per_sample": eval_per_sample, "save_s": saves,

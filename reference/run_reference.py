@@ -52,7 +52,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -174,6 +174,10 @@ PROFILES = {
         train_precision=("--fp8-gemm", "off"), fp8gemm_train=("--fp8-gemm", "on"),
         threads=1),  # toy matrices: one thread beats several fighting over a shared CPU
 }
+# Issue 18's acceptance check: `h200-compare`'s phases 1-2 (main trained with bf16 GEMMs), then
+# only the fp8gemm draft (04 --fp8-gemm on over main's states), both evaluated on the same
+# prompts; ~12 minutes of one H200.
+PROFILES["h200-fp8gemm"] = replace(PROFILES["h200-compare"], phase3=("fp8gemm",))
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
              "results/stages.json": "stages.json", "results/controls.json": "controls.json",
              "bench_t0/05_benchmark/results.json": "bench_t0_results.json",

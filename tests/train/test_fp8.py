@@ -172,11 +172,11 @@ def test_a_layer_whose_size_is_not_a_multiple_of_16_is_refused_by_name():
         use_fp8_gemms(draft)
 
 
-def test_04_is_off_by_default_while_the_compiled_cuda_path_is_unverified():
+def test_04_defaults_to_auto_which_is_off_on_cpu():
     from eagle3.train.distributed import DistInfo
     from eagle3.train.loop import TrainConfig, build_runtime
 
-    assert TrainConfig(target=Path("t")).fp8_gemm == "off"
+    assert TrainConfig(target=Path("t")).fp8_gemm == "auto"
     assert build_runtime(TrainConfig(target=Path("t")), torch.device("cpu"), DistInfo()).fp8 is False
 
 
