@@ -156,25 +156,29 @@ class Fp8Linear(nn.Linear):
     """`nn.Linear` whose training-mode forward runs fp8_linear (same parameters and state_dict
     keys; eval mode is the plain GEMM).
 
-    The weight's two e4m3 copies (along K for the forward, along N for the input gradient) are
-    non-persistent buffers, quantised again only when the weight has changed (its version
-    counter, bumped by the optimizer's in-place update, or a new storage): once per optimizer
-    step, not once per TTT step and GEMM. Eager calls refresh them by themselves; a compiled
-    forward cannot (it would cut the graph), so a trainer calls `refresh_fp8_weights` before
-    each forward (04's loop and the GPU benchmark do).
+    A compiled forward reads the weight's two e4m3 copies (along K for the forward, along N for
+    the input gradient) from non-persistent buffers, quantised once per optimizer step rather
+    than once per TTT step and GEMM. It cannot tell when the weight changed, so whoever updates
+    the weight calls `refresh_fp8_weights(model, force=True)` before the next compiled forward
+    (04's loop does, at each step's first micro-step; so does the GPU benchmark). The version
+    counter is no signal for this: the fused AdamW that 04 runs on CUDA updates the weights in
+    place without bumping it (tests/train/test_fp8.py). An eager forward quantises the weight
+    afresh at every call and cannot go stale.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return super().forward(x)
-        if not torch.compiler.is_compiling():
-            self.refresh()
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
             x.device.type) else x.dtype
         x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
         qx, sx = quantize_rows(x_MK.detach())
-        y = fp8_linear(x_MK, qx, sx, self.weight, self.fp8_w, self.fp8_w_scale, self.fp8_wt,
-                       self.fp8_wt_scale)
+        if torch.compiler.is_compiling():
+            qw, sw, qwt, swt = self.fp8_w, self.fp8_w_scale, self.fp8_wt, self.fp8_wt_scale
+        else:
+            with torch.no_grad():
+                qw, sw, qwt, swt = _quantize_weight(self.weight.detach())
+        y = fp8_linear(x_MK, qx, sx, self.weight, qw, sw, qwt, swt)
         if self.bias is not None:
             y = y + self.bias.to(dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -187,27 +191,23 @@ class Fp8Linear(nn.Linear):
                                  persistent=False)
             self.register_buffer(name + "_scale", torch.empty((shape[0], 1), device=dev),
                                  persistent=False)
-        self.fp8_key = None
         self.refresh()
 
     @torch.no_grad()
-    def refresh(self) -> bool:
-        """Quantise the weight again if it changed since the last time; returns whether it did."""
-        w = self.weight
-        key = (w.device, w.data_ptr(), w._version)
-        if key == self.fp8_key and self.fp8_w.device == w.device:
-            return False
+    def refresh(self) -> None:
+        """Quantise the weight into the buffers the compiled forward reads."""
         for buf, new in zip((self.fp8_w, self.fp8_w_scale, self.fp8_wt, self.fp8_wt_scale),
-                            _quantize_weight(w.detach())):
+                            _quantize_weight(self.weight.detach())):
             buf.copy_(new)  # in place: a compiled graph keeps reading the same buffers
-        self.fp8_key = key
-        return True
 
 
 def refresh_fp8_weights(model: nn.Module) -> int:
-    """Re-quantise the weights of `model`'s Fp8Linear layers that changed; returns how many did.
-    Call before each training forward that runs compiled (cheap when nothing changed)."""
-    return sum(m.refresh() for m in model.modules() if isinstance(m, Fp8Linear))
+    """Quantise the weights of `model`'s Fp8Linear layers again (after every optimizer step or
+    load, before the next compiled training forward); returns how many layers there are."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.refresh()
+    return len(layers)
 
 
 def use_fp8_gemms(draft: nn.Module, skip: tuple[str, ...] = SKIPPED) -> list[str]:
