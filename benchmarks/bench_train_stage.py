@@ -8,13 +8,16 @@ end) — on synthetic hidden-state files (learnable: the final state at t+1 is t
 at t), a few unique files listed repeatedly (they stay in the page cache: disk reads are not
 measured here; see BENCHMARKS.md for the bytes per token). Times every eval and every save, then
 projects the rate at the trainer's default schedule (eval every 100 steps over 256 samples, a
-checkpoint every 500 steps) from those measured parts (an estimate: step time x 500 + 5 evals x
-256 x the measured eval time per sample + one measured save; start-up and compile left out).
+checkpoint every 500 steps) from those measured parts: step time x 500 + 5 x the last (warm)
+eval + one measured save; start-up and compile left out. The evals run over --eval-samples
+samples, 256 by default, so the schedule's eval cost is the measured one; a smaller
+--eval-samples scales the last eval linearly (it then also spreads the eval's fixed costs,
+such as the loader's worker start-up, over fewer samples: an overestimate).
 
-H200 (one GPU, ~2 minutes; a Kimi-size checkpoint is ~14 GB on local disk):
+H200 (one GPU, ~3 minutes; a Kimi-size checkpoint is ~14 GB on local disk):
     python benchmarks/bench_train_stage.py
 CPU smoke test:
-    python benchmarks/bench_train_stage.py --device cpu --tiny --steps 4
+    python benchmarks/bench_train_stage.py --device cpu --tiny --steps 4 --eval-samples 8
 """
 
 from __future__ import annotations
@@ -53,7 +56,11 @@ def parse_args(argv=None):
     p.add_argument("--sample-tokens", type=int, default=2048, help="tokens per file")
     p.add_argument("--unique-files", type=int, default=8)
     p.add_argument("--steps", type=int, default=32, help="optimizer steps (one row each)")
-    p.add_argument("--eval-files", type=int, default=4)
+    p.add_argument("--eval-files", type=int, default=4, help="unique eval files")
+    p.add_argument("--eval-samples", type=int, default=256,
+                   help="eval samples per evaluation (the unique files listed repeatedly; "
+                        "default: 04's --max-eval-samples, so the default schedule's eval cost "
+                        "is measured, not scaled)")
     p.add_argument("--num-workers", type=int, default=4)
     p.add_argument("--fp8-gemm", default=None, choices=["auto", "on", "off"],
                    help="04's --fp8-gemm (default: 04's default)")
@@ -97,7 +104,8 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_stage_"))
     try:
         unique = write_files(tmp / "train", dims, args.unique_files, args.sample_tokens, 1)
-        eval_files = write_files(tmp / "eval", dims, args.eval_files, args.sample_tokens, 2)
+        unique_eval = write_files(tmp / "eval", dims, args.eval_files, args.sample_tokens, 2)
+        eval_files = (unique_eval * (args.eval_samples // len(unique_eval) + 1))[:args.eval_samples]
         per_row = args.row // args.sample_tokens
         train_files = (unique * (args.steps * per_row // len(unique) + 1))[:args.steps * per_row]
         data = loop.TrainData(train_files, [args.sample_tokens] * len(train_files), eval_files,
@@ -105,6 +113,7 @@ def main(argv=None) -> int:
         cfg = loop.TrainConfig(target=tmp, workdir=tmp, max_seq_len=args.row,
                                pack_tokens=args.row, device=args.device,
                                num_workers=args.num_workers, tensorboard=False, log_every=8,
+                               max_eval_samples=args.eval_samples,
                                **({"fp8_gemm": args.fp8_gemm} if args.fp8_gemm else {}))
         dcfg = DraftConfig(**dims)
         draft = loop.build_draft(dcfg, 0, torch.zeros(dcfg.draft_vocab_size, dtype=torch.long),
@@ -135,13 +144,14 @@ def summarize(args, cfg, summary: dict, wall: float, evals: list, saves: list,
     """Measured rates, and the default schedule's rate projected from the measured parts."""
     tokens = summary["tokens"]
     step_s = args.row / summary["tok_s"]  # steady-state windows (the first, compiling, is left out)
-    eval_per_sample = evals[-1] / args.eval_files if evals else 0.0  # the last eval is warm
+    eval_per_sample = evals[-1] / args.eval_samples if evals else 0.0  # the last eval is warm
     fixed = wall - args.steps * step_s - sum(evals) - sum(saves)  # compile and start-up
     schedule = {"steps": 500, "evals": 500 // cfg.eval_every, "eval_samples": 256, "saves": 1}
     period = (schedule["steps"] * step_s + schedule["evals"] * schedule["eval_samples"]
               * eval_per_sample + schedule["saves"] * (saves[-1] if saves else 0.0))
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "compiled": compiled, "fp8_gemm": summary.get("fp8_gemm"), "row": args.row, "steps": args.steps, "tokens": tokens,
+            "compiled": compiled, "fp8_gemm": summary.get("fp8_gemm"), "row": args.row,
+            "steps": args.steps, "tokens": tokens, "eval_samples": args.eval_samples,
             "wall_s": wall, "stage_tok_s_this_run": tokens / wall,
             "step_tok_s": summary["tok_s"], "data_wait": summary["data_wait"],
             "eval_s": evals, "eval_s_per_sample": eval_per_sample, "save_s": saves,

@@ -232,9 +232,8 @@ def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainC
         batch = {k: v.to(rt.device) for k, v in batch.items()}
         masks = model.build_masks(batch["doc_ids"])
         with rt.autocast():
-            _, s = model(*_batch_args(batch), masks=masks, topk=_topk_arg(batch))
-            steps_logits = model.unroll(batch["input_ids"], batch["doc_ids"], batch["positions"],
-                                        batch["aux"], masks)
+            _, s, steps_logits = model(*_batch_args(batch), masks=masks, topk=_topk_arg(batch),
+                                       return_logits=True)
         stats += s
         estimate.add(model.draft, steps_logits, batch["input_ids"], batch["loss_mask"],
                      batch["doc_ids"], batch["final"])

@@ -119,10 +119,12 @@ class TTTModel(nn.Module):
         return out
 
     def forward(self, input_ids, loss_mask, doc_ids, positions, aux, final, masks=None,
-                topk=None):
+                topk=None, return_logits: bool = False):
         """(weighted loss, stats `[3K]`) of one packed batch; shapes `[B, T]`, aux
         `[B, T, 3Ht]`, final `[B, T, Ht]`; `topk`: the batch's stored top-k teacher (a dict,
-        see eagle3/train/teacher.py), None when no file of the run stores one."""
+        see eagle3/train/teacher.py), None when no file of the run stores one.
+        `return_logits`: also the unroll's per-step logits (the evaluation's acceptance
+        estimate reads them: one unroll, not two)."""
         B, T = input_ids.shape
         # the target's distribution over the draft vocabulary
         teacher = teacher_targets(final, self.teacher, self.compute_dtype, topk,
@@ -130,7 +132,8 @@ class TTTModel(nn.Module):
         teacher_p, teacher_top = teacher.p_BTV, teacher.top_BT
         total = torch.zeros((), device=input_ids.device)
         ce_sums, hit_sums, weight_sums = [], [], []
-        for k, logits in enumerate(self.unroll(input_ids, doc_ids, positions, aux, masks)):
+        steps_logits = self.unroll(input_ids, doc_ids, positions, aux, masks)
+        for k, logits in enumerate(steps_logits):
             n = 1 + k  # this step read token t+n and is scored against the target at t+n
             same_seq = (shift_rows(doc_ids, n, -2) == doc_ids) & (doc_ids >= 0)
             weight = (same_seq & shift_rows(loss_mask, n).bool())[:, : T - n]
@@ -151,4 +154,4 @@ class TTTModel(nn.Module):
             hit_sums.append(hit.sum().float())
             weight_sums.append(w_sum)
         stats = torch.stack([*ce_sums, *hit_sums, *weight_sums])
-        return total, stats
+        return (total, stats, steps_logits) if return_logits else (total, stats)

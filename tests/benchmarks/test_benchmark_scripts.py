@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -95,9 +97,11 @@ def test_bench_train_gpu_row_suffixes_set_fp8_and_the_row_width(tmp_path):
 def test_bench_train_stage_times_the_loop_with_eval_and_checkpoint(tmp_path):
     out = _run(["benchmarks/bench_train_stage.py", "--device", "cpu", "--tiny", "--steps", "4",
                 "--row", "256", "--sample-tokens", "128", "--num-workers", "0",
-                "--out", str(tmp_path)], tmp_path)
+                "--eval-files", "2", "--eval-samples", "6", "--out", str(tmp_path)], tmp_path)
     assert '"stage_tok_s_this_run"' in out
     import json
     result = json.loads((tmp_path / "bench_train_stage.json").read_text())
     assert result["tokens"] == 4 * 256 and len(result["save_s"]) == 1
     assert len(result["eval_s"]) == 2  # at step 0 and at the end
+    assert result["eval_samples"] == 6
+    assert result["eval_s_per_sample"] == pytest.approx(result["eval_s"][-1] / 6)
