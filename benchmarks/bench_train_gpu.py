@@ -64,6 +64,10 @@ H200_BF16_PEAK = 989e12  # dense bf16 spec; sustained power-capped GEMMs reach ~
 KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
             intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,
             target_hidden_size=7168, capture_layers=[2, 30, 58])
+# A CPU-sized draft with Kimi-K2.5's head size (the FP8 gradient check on CPU: --mid)
+MID = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+           intermediate_size=2816, vocab_size=32768, draft_vocab_size=8192,
+           target_hidden_size=1024, capture_layers=[2, 30, 58])
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
             intermediate_size=128, vocab_size=554, draft_vocab_size=256, target_hidden_size=64,
             capture_layers=[2, 4, 5])
@@ -79,6 +83,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
     p.add_argument("--tiny", action="store_true", help="toy dimensions (CPU smoke test)")
+    p.add_argument("--mid", action="store_true",
+                   help="hidden 1024, 8 x 128 heads, intermediate 2816 (an FP8 row's gradient "
+                        "check on CPU in minutes; not for speed)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per micro-step (default 4096)")
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--steps", type=int, default=12, help="timed optimizer steps per config")
@@ -103,11 +110,15 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- setup
 
 
+def dims_of(args) -> dict:
+    return TINY if args.tiny else MID if args.mid else KIMI
+
+
 def build(args, device: torch.device, compile_forward: bool, arch: str = "llama",
           fp8: bool = False, seed: int = 0):
     """(model, optimizer, forward) at the benchmark dimensions, synthetic weights."""
     mla = (TINY_MLA if args.tiny else KIMI_MLA) if arch == "mla" else {}
-    cfg = DraftConfig(**{**(TINY if args.tiny else KIMI), **mla})
+    cfg = DraftConfig(**{**dims_of(args), **mla})
     torch.manual_seed(seed)
     with torch.device(device):
         draft = build_draft_model(cfg)
@@ -325,7 +336,7 @@ def op_check(draft, device: torch.device) -> dict:
 
     def rel(got, a, b):
         want = deq(a) @ deq(b).t()
-        return float((got.double() - want).norm() / want.norm())
+        return float((got.detach().double() - want).norm() / want.norm())
 
     w = layer.weight
     return {"rows": M, "in": K, "out": N, "forward_rel_err": rel(y, x, w),
@@ -485,8 +496,8 @@ def run_ddp(args, best: str, world: int) -> dict:
            "--master-port=29517", str(Path(__file__).resolve()), "--device", args.device,
            "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--ttt-steps", str(args.ttt_steps), "--out", args.out, "--ddp-worker", best]
-    if args.tiny:
-        cmd.append("--tiny")
+    if args.tiny or args.mid:
+        cmd.append("--tiny" if args.tiny else "--mid")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -502,7 +513,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu",
-               "torch": torch.__version__, "dims": TINY if args.tiny else KIMI,
+               "torch": torch.__version__, "dims": dims_of(args),
                "seq": args.seq, "ttt_steps": args.ttt_steps, "steps": args.steps,
                "configs": {}}
     if cuda:
