@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# One intra-op thread for the session and every stage it launches (inherited by subprocesses),
+# unless the caller sets OMP_NUM_THREADS: the tiny models' ops gain nothing from more, and on a
+# shared 2-core machine two OpenMP threads per process fight over the cores (measured: the demo
+# target's greedy generation, 8 x 200 prompt tokens + 16 new, 0.7 s with 1 thread, 35 s with 2
+# beside other jobs). Set here, before any test module imports torch. The vLLM servers keep the
+# threads their tests give them (OMP_NUM_THREADS=2 in their environment).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,10 @@ import pytest
 
 from eagle3.core.preflight import PreflightError
 
+# vLLM first, for every test here: without a vLLM venv they skip before the session builds
+# their Llama demo run (pytest sets up session fixtures before module ones, in the order named).
+pytestmark = pytest.mark.usefixtures("vllm_python")
+
 # float32 like the offline evaluator (vLLM's CPU build casts float32 checkpoints to bfloat16 by
 # default); eager (no compile: start-up in tens of seconds); a context the demo prompts fit.
 LAUNCH_ARGS = "--enforce-eager --dtype float32 --max-model-len 1024"
