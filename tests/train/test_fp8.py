@@ -26,7 +26,7 @@ def simulated(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double() - b.double()).norm() / b.detach().double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 def operands(M=40, K=64, N=48):
