@@ -107,6 +107,23 @@ def kill_at_fractions(cmd: list[str], timing: tuple[float, float],
     return killed
 
 
+def kill_and_rerun(cmd: Callable[[str], list[str]], stage_dir: Callable[[str], Path],
+                   fractions: tuple[float, ...], cwd: Path | None = None) -> None:
+    """Run `cmd("ref")` uninterrupted, then `cmd("run")` SIGKILLed at each fraction of its work
+    and finally to its end; asserts at least two kills landed and one of them after the stage
+    made its folder (`stage_dir(w)`): killed inside the work, not before it."""
+    timing = timed_run(cmd("ref"), lambda: stage_dir("ref").exists(), cwd)
+    seen = []  # what each kill left: the folder's files, or None before the stage made it
+
+    def look():
+        d = stage_dir("run")
+        seen.append(sorted(p.name for p in d.iterdir()) if d.exists() else None)
+
+    killed = kill_at_fractions(cmd("run"), timing, fractions, cwd, look)
+    assert killed >= 2 and any(s is not None for s in seen), seen
+    timed_run(cmd("run"), lambda: True, cwd)
+
+
 def _tail(proc: subprocess.Popen) -> str:
     err = proc.err_file
     err.seek(0)

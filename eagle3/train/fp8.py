@@ -133,15 +133,6 @@ def _fp8_linear_backward(ctx, g_MN):
 fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_fp8_linear_save)
 
 
-def fp8_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """`x @ w^T` in FP8 with both operands quantised here (Fp8Linear caches w's instead)."""
-    qx, sx = quantize_rows(x_MK.detach())
-    with torch.no_grad():
-        qw, sw = quantize_rows(w_NK)
-        qwt, swt = quantize_rows(w_NK.t())
-    return fp8_linear(x_MK, qx, sx, w_NK, qw, sw, qwt, swt)
-
-
 _quantize_weight_compiled = None
 
 
@@ -156,6 +147,15 @@ def _quantize_weight(w: torch.Tensor) -> tuple:
     return (*fn(w), *fn(w.t()))
 
 
+def fp8_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """`x @ w^T` in FP8 with both operands quantised here: Fp8Linear's eager forward (a compiled
+    one reads the weight's cached copies instead)."""
+    qx, sx = quantize_rows(x_MK.detach())
+    with torch.no_grad():
+        qw, sw, qwt, swt = _quantize_weight(w_NK.detach())
+    return fp8_linear(x_MK, qx, sx, w_NK, qw, sw, qwt, swt)
+
+
 class Fp8Linear(nn.Linear):
     """`nn.Linear` whose training-mode forward runs fp8_linear (same parameters and state_dict
     keys; eval mode is the plain GEMM).
@@ -163,7 +163,7 @@ class Fp8Linear(nn.Linear):
     A compiled forward reads the weight's two e4m3 copies (along K for the forward, along N for
     the input gradient) from non-persistent buffers, quantised once per optimizer step rather
     than once per TTT step and GEMM. It cannot tell when the weight changed, so whoever updates
-    the weight calls `refresh_fp8_weights(model, force=True)` before the next compiled forward
+    the weight calls `refresh_fp8_weights(model)` before the next compiled forward
     (04's loop does, at each step's first micro-step; so does the GPU benchmark). The version
     counter is no signal for this: the fused AdamW that 04 runs on CUDA updates the weights in
     place without bumping it (tests/train/test_fp8.py). An eager forward quantises the weight
@@ -176,13 +176,12 @@ class Fp8Linear(nn.Linear):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
             x.device.type) else x.dtype
         x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
-        qx, sx = quantize_rows(x_MK.detach())
         if torch.compiler.is_compiling():
-            qw, sw, qwt, swt = self.fp8_w, self.fp8_w_scale, self.fp8_wt, self.fp8_wt_scale
+            qx, sx = quantize_rows(x_MK.detach())  # traced: fused into the neighbouring kernels
+            y = fp8_linear(x_MK, qx, sx, self.weight, self.fp8_w, self.fp8_w_scale, self.fp8_wt,
+                           self.fp8_wt_scale)
         else:
-            with torch.no_grad():
-                qw, sw, qwt, swt = _quantize_weight(self.weight.detach())
-        y = fp8_linear(x_MK, qx, sx, self.weight, qw, sw, qwt, swt)
+            y = fp8_matmul(x_MK, self.weight)
         if self.bias is not None:
             y = y + self.bias.to(dtype)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -325,7 +325,7 @@ def test_05_hf_folder_is_identical_when_killed_at_several_moments_and_rerun(tmp_
     """SIGKILL at three moments of 05 --backend hf, then a full run: the same file names, the
     plot byte for byte, results.json and the manifest equal but for TIMINGS (and the manifest's
     timestamps), and report.md exactly what results.json renders to."""
-    from stage_helpers import assert_same_folder, kill_at_fractions, timed_run
+    from stage_helpers import assert_same_folder, kill_and_rerun
 
     root = Path(__file__).resolve().parents[2]
 
@@ -335,16 +335,7 @@ def test_05_hf_folder_is_identical_when_killed_at_several_moments_and_rerun(tmp_
                 "--prompt-sets", "chat", "--num-prompts", "3", "--steps", "2", "3",
                 "--max-new-tokens", "16", "--log-level", "WARNING"]
 
-    timing = timed_run(cmd("ref"), lambda: (tmp_path / "ref/05_benchmark").exists(), root)
-    seen = []  # what each kill left: the folder's files, or None before 05 made it
-
-    def look():
-        d = tmp_path / "run/05_benchmark"
-        seen.append(sorted(p.name for p in d.iterdir()) if d.exists() else None)
-
-    killed = kill_at_fractions(cmd("run"), timing, (0.05, 0.5, 0.97), root, look)
-    assert killed >= 2 and any(s is not None for s in seen), seen  # killed inside the work
-    timed_run(cmd("run"), lambda: True, root)
+    kill_and_rerun(cmd, lambda w: tmp_path / w / "05_benchmark", (0.05, 0.5, 0.97), root)
     for w in ("ref", "run"):
         folder = tmp_path / w / "05_benchmark"
         results = json.loads((folder / "results.json").read_text())

@@ -148,7 +148,7 @@ def test_03_folder_is_identical_when_killed_at_several_moments_and_rerun(tmp_pat
     import sys
     from pathlib import Path
 
-    from stage_helpers import assert_same_folder, kill_at_fractions, timed_run
+    from stage_helpers import assert_same_folder, kill_and_rerun
 
     vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
@@ -168,15 +168,6 @@ def test_03_folder_is_identical_when_killed_at_several_moments_and_rerun(tmp_pat
                 str(tmp_path / w), "--target", str(tiny_target_dir), "--draft-vocab", "64",
                 "--log-level", "WARNING"]
 
-    timing = timed_run(cmd("ref"), lambda: (tmp_path / "ref/03_vocab").exists(), root)
-    seen = []  # what each kill left: the folder's files, or None before 03 made it
-
-    def look():
-        d = tmp_path / "run/03_vocab"
-        seen.append(sorted(p.name for p in d.iterdir()) if d.exists() else None)
-
-    killed = kill_at_fractions(cmd("run"), timing, (0.03, 0.4, 0.9), root, look)
-    assert killed >= 2 and any(s is not None for s in seen), seen  # killed inside the work
-    timed_run(cmd("run"), lambda: True, root)
+    kill_and_rerun(cmd, lambda w: tmp_path / w / "03_vocab", (0.03, 0.4, 0.9), root)
     assert_same_folder(tmp_path / "run/03_vocab", tmp_path / "run",
                        tmp_path / "ref/03_vocab", tmp_path / "ref")
