@@ -19,9 +19,12 @@ Configurations (each runs on its own; a failure is recorded and the next one run
   curve         not in the default list: the loss of --curve-steps compiled steps on 4 fixed
                 learnable batches, fixed seed (run it under two code versions to compare)
 Suffixes, in any order after the name: `+fp8` trains with FP8 GEMMs (04's --fp8-gemm on:
-eagle3/train/fp8.py), `+seed1` initialises the draft from seed 1 instead of 0 (for a curve: the
-seed-to-seed spread a code change's curve is set against), `@T` sets this row's tokens per
-micro-step (else --seq); e.g. `flex+compile+fp8@8192`, `curve+fp8`.
+eagle3/train/fp8.py), `+perstep` runs the per-step TTT unroll (04's --ttt-unroll per-step; the
+default rows run 04's default, the shared unroll: eagle3/train/ttt.py), `+seed1` initialises the
+draft from seed 1 instead of 0 (for a curve: the seed-to-seed spread a code change's curve is set
+against), `@T` sets this row's tokens per micro-step (else --seq); e.g.
+`flex+compile+fp8@8192`, `curve+perstep`. MFU counts the FLOPs the row's unroll executes
+(eagle3/train/flops.py), so compare unrolls by tokens/s.
 --profile adds, for flex / flex+compile, the kernel time of 2 profiled steps by category and the
 GEMMs' FLOP rate. Compiling costs ~45 s per row width and config (T = 4096, H200): budget
 ~90 s for a compiled row, and about 0.33 s per curve step on top.
@@ -55,6 +58,7 @@ from eagle3.draft.mla import build_draft_model
 from eagle3.draft.model import DraftConfig
 from eagle3.train.flops import micro_step_flops
 from eagle3.train.fp8 import refresh_fp8_weights, use_fp8_gemms
+from eagle3.train.optimizer import build_optimizer, clip_gradients
 from eagle3.core.stage import atomic_torch_save
 from eagle3.train.ttt import TTTModel
 
@@ -115,7 +119,7 @@ def dims_of(args) -> dict:
 
 
 def build(args, device: torch.device, compile_forward: bool, arch: str = "llama",
-          fp8: bool = False, seed: int = 0):
+          fp8: bool = False, seed: int = 0, unroll: str = "shared"):
     """(model, optimizer, forward) at the benchmark dimensions, synthetic weights."""
     mla = (TINY_MLA if args.tiny else KIMI_MLA) if arch == "mla" else {}
     cfg = DraftConfig(**{**dims_of(args), **mla})
@@ -133,8 +137,8 @@ def build(args, device: torch.device, compile_forward: bool, arch: str = "llama"
         use_fp8_gemms(draft)
     cuda = device.type == "cuda"
     model = TTTModel(draft, embed, teacher, args.ttt_steps, 0.8, "flex" if cuda else "naive",
-                     torch.bfloat16 if cuda else torch.float32)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
+                     torch.bfloat16 if cuda else torch.float32, unroll=unroll)
+    optimizer = build_optimizer(draft, 1e-4, 0.0, device)  # 04's: fused AdamW on CUDA
     return model, optimizer, cfg
 
 
@@ -170,11 +174,11 @@ def write_files(cfg: DraftConfig, seq: int, n: int, root: Path) -> list[Path]:
 
 def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
         dist_info: distributed.DistInfo | None = None, arch: str = "llama",
-        fp8: bool = False) -> dict:
+        fp8: bool = False, unroll: str = "shared") -> dict:
     """Time `args.steps` optimizer steps (after `args.warmup`); one micro-step per step."""
     dist_info = dist_info or distributed.DistInfo()
     cuda = device.type == "cuda"
-    model, optimizer, cfg = build(args, device, compile_forward, arch, fp8)
+    model, optimizer, cfg = build(args, device, compile_forward, arch, fp8, unroll=unroll)
     ddp = distributed.wrap(model, dist_info, device)
     forward = torch.compile(ddp) if compile_forward else ddp
     total = args.warmup + args.steps
@@ -187,11 +191,13 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
                                             args.num_workers, cuda), device)
     else:
         fixed = synthetic_batch(cfg, args.seq, device)
-    flops = micro_step_flops(cfg, args.seq, [args.seq], args.ttt_steps).train
+    flops = micro_step_flops(cfg, args.seq, [args.seq], args.ttt_steps, unroll=unroll).train
     events, state = [], {}
     checked = grad_check(model, forward, fixed, cuda) if fp8 and not use_loader else {}
 
-    def one_step(timed: bool) -> None:
+    bad_step = torch.tensor(-1, device=device)
+
+    def one_step(timed: bool, step: int = 0) -> None:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else None
         batch = feed.next() if use_loader else fixed
         if ev:
@@ -206,9 +212,7 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
             feed.prefetch()
         if ev:
             ev[1].record()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.draft.parameters(), 0.5, foreach=True)
-        if cuda:
-            optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # as the trainer does
+        clip_gradients(optimizer, 0.5, step, bad_step)  # as 04 does (eagle3/train/optimizer.py)
         if ev:
             ev[2].record()
         optimizer.step()
@@ -225,9 +229,9 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
                 torch.cuda.reset_peak_memory_stats()
             wall, wait0 = time.perf_counter(), (feed.wait_s if use_loader else 0.0)
         if cuda and step == total - 1:  # the last step runs under torch's sync detector
-            state["syncs"] = count_syncs(lambda: one_step(True))
+            state["syncs"] = count_syncs(lambda: one_step(True, step))
         else:
-            one_step(cuda and step >= args.warmup)
+            one_step(cuda and step >= args.warmup, step)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - wall
@@ -238,7 +242,8 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
            "train_flops_per_step": flops,
            "mfu_vs_989T": flops * args.steps / seconds / H200_BF16_PEAK,
            "final_loss": float(state["loss"]), "attention": model.attention, "arch": arch,
-           "fp8_gemm": fp8, "seq": args.seq,
+           "fp8_gemm": fp8, "seq": args.seq, "unroll": unroll,
+           "flops_per_token": flops / args.seq,
            "draft_params": sum(p.numel() for p in model.draft.parameters())}
     if use_loader:
         out["data_wait_share"] = (feed.wait_s - wait0) / seconds
@@ -409,17 +414,18 @@ def learnable_batch(cfg: DraftConfig, seq: int, seed: int, device) -> dict:
     return {k: v.to(device) for k, v in b.items()}
 
 
-def loss_curve(args, device: torch.device, fp8: bool = False, seed: int = 0) -> dict:
+def loss_curve(args, device: torch.device, fp8: bool = False, seed: int = 0,
+               unroll: str = "shared") -> dict:
     """The loss of `--curve-steps` optimizer steps of the compiled trainer step, fixed seed,
     cycling over 4 fixed learnable batches (compare two code versions' curves step by step)."""
     from eagle3.train.ttt import stats_dict
 
     cuda = device.type == "cuda"
-    model, optimizer, cfg = build(args, device, cuda, fp8=fp8, seed=seed)
+    model, optimizer, cfg = build(args, device, cuda, fp8=fp8, seed=seed, unroll=unroll)
     forward = torch.compile(model) if cuda else model
     batches = [learnable_batch(cfg, args.seq, i, device) for i in range(4)]
     masks = [model.build_masks(b["doc_ids"], compile_mask=cuda) for b in batches]
-    losses, stats = [], []
+    losses, stats, bad_step = [], [], torch.tensor(-1, device=device)
     for step in range(args.curve_steps):
         b = batches[step % 4]
         refresh_fp8_weights(model.draft)
@@ -427,14 +433,14 @@ def loss_curve(args, device: torch.device, fp8: bool = False, seed: int = 0) -> 
             loss, st = forward(b["input_ids"], b["loss_mask"], b["doc_ids"], b["positions"],
                                b["aux"], b["final"], masks=masks[step % 4])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.draft.parameters(), 0.5, foreach=True)
+        clip_gradients(optimizer, 0.5, step, bad_step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         stats.append(st.detach())
     last = stats_dict(torch.stack(stats[-8:]).sum(0), args.ttt_steps)
     return {"losses": torch.stack(losses).tolist(), "last8_train_acc": last["acc"],
-            "fp8_gemm": fp8, "seed": seed, "seq": args.seq}
+            "fp8_gemm": fp8, "seed": seed, "seq": args.seq, "unroll": unroll}
 
 
 def count_syncs(fn) -> int:
@@ -527,6 +533,7 @@ def main(argv=None) -> int:
             continue
         results["configs"][name] = run_config(args, name, device, results)
     results["curve_gaps"] = curve_gaps(results["configs"])
+    results["first_loss_gaps"] = first_loss_gaps(results["configs"])
     path = Path(args.out) / "bench_train.json"
     path.write_text(json.dumps(results, indent=2))
     print(report(results))
@@ -539,8 +546,9 @@ def parse_row_name(name: str) -> tuple[str, dict]:
     name, _, seq = name.partition("@")
     parts = name.split("+")
     opts = {"fp8": "fp8" in parts, "seed": 1 if "seed1" in parts else 0,
-            "seq": int(seq) if seq else None}
-    base = "+".join(p for p in parts if p not in ("fp8", "seed1"))
+            "seq": int(seq) if seq else None,
+            "unroll": "per-step" if "perstep" in parts else "shared"}
+    base = "+".join(p for p in parts if p not in ("fp8", "seed1", "perstep"))
     return base, opts
 
 
@@ -549,7 +557,7 @@ def run_config(args, name: str, device: torch.device, results: dict) -> dict:
     base, opts = parse_row_name(name)
     if opts["seq"]:
         args = argparse.Namespace(**{**vars(args), "seq": opts["seq"]})
-    fp8 = opts["fp8"]
+    fp8, unroll = opts["fp8"], opts["unroll"]
     cuda = device.type == "cuda"
     timed = {k: v for k, v in results["configs"].items()
              if "tokens_per_s_per_gpu" in v and k in ("flex", "flex+compile")}
@@ -557,14 +565,16 @@ def run_config(args, name: str, device: torch.device, results: dict) -> dict:
     if base.endswith("+compile") and not cuda:
         return {"skipped": "torch.compile rows run on CUDA only"}
     if base in ("flex", "flex+compile"):
-        return attempt(lambda: run(args, device, base == "flex+compile", False, fp8=fp8), name)
+        return attempt(lambda: run(args, device, base == "flex+compile", False, fp8=fp8,
+                                   unroll=unroll), name)
     if base == "curve":
-        return attempt(lambda: loss_curve(args, device, fp8, opts["seed"]), name)
+        return attempt(lambda: loss_curve(args, device, fp8, opts["seed"], unroll), name)
     if base in ("mla", "mla+compile"):
         return attempt(lambda: run(args, device, base == "mla+compile", False, arch="mla",
-                                   fp8=fp8), name)
+                                   fp8=fp8, unroll=unroll), name)
     if base == "loader":
-        out = attempt(lambda: run(args, device, best == "flex+compile", True, fp8=fp8), name)
+        out = attempt(lambda: run(args, device, best == "flex+compile", True, fp8=fp8,
+                                  unroll=unroll), name)
         return {"config": best, **out}
     if base == "ddp2":
         if cuda and torch.cuda.device_count() < 2:
@@ -594,6 +604,17 @@ def curve_gaps(configs: dict) -> dict:
     return {f"{k} vs curve": gap(v) for k, v in curves.items() if k != "curve"}
 
 
+def first_loss_gaps(configs: dict) -> dict:
+    """|first loss / `curve`'s - 1| of each curve with the same seed: the same weights on the
+    same batch, so this is how far apart two code paths compute one forward (bf16 rounding)."""
+    curves = {k: v["losses"][0] for k, v in configs.items()
+              if "losses" in v and v.get("seed", 0) == 0}
+    if "curve" not in curves:
+        return {}
+    return {f"{k} vs curve": abs(v / curves["curve"] - 1) for k, v in curves.items()
+            if k != "curve"}
+
+
 def attempt(fn, name: str) -> dict:
     t = time.perf_counter()
     try:
@@ -613,7 +634,8 @@ def report(results: dict) -> str:
     if results.get("gemm_fp8_rowwise_tflops"):
         lines.append(f"plain e4m3 GEMM (per-row scales): "
                      f"{results['gemm_fp8_rowwise_tflops']:.0f} TFLOP/s")
-    columns = [("seq", "T", "{}"), ("tokens_per_s_per_gpu", "tok/s/GPU", "{:,.0f}"),
+    columns = [("seq", "T", "{}"), ("unroll", "unroll", "{}"),
+               ("tokens_per_s_per_gpu", "tok/s/GPU", "{:,.0f}"),
                ("step_ms", "step ms", "{:.0f}"),
                ("mfu_vs_989T", "MFU", "{:.1%}"), ("peak_memory_gib", "peak GiB", "{:.1f}"),
                ("optimizer_share", "optim", "{:.1%}"), ("data_wait_share", "data-wait", "{:.1%}"),
@@ -642,6 +664,8 @@ def report(results: dict) -> str:
             lines.append(f"{name}: NO GRADIENT in {r['params_without_fp8_grad']}")
     for name, gap in results.get("curve_gaps", {}).items():
         lines.append(f"curve gap {name}: mean |loss difference| over the last half {gap:.4f}")
+    for name, gap in results.get("first_loss_gaps", {}).items():
+        lines.append(f"first loss {name}: relative difference {gap:.2e}")
     for name, r in results["configs"].items():
         if "losses" in r:
             lines.append(f"{name}: loss at steps 0/30/60/last "

@@ -22,6 +22,7 @@ COMPARE_ROWS = {
     "topk": ("Llama, fp8-topk renormalised", "04 topk", "02b topk"),
     "topk_tail": ("Llama, fp8-topk tail bucket", "04 topk_tail", "02b topk"),
     "fp8gemm": ("Llama, bf16 states, FP8 GEMMs", "04 fp8gemm", "02b main (bf16)"),
+    "perstep": ("Llama, bf16 states, per-step TTT unroll", "04 perstep", "02b main (bf16)"),
 }
 STEPS = ("3", "7")
 

@@ -178,6 +178,10 @@ PROFILES = {
 # only the fp8gemm draft (04 --fp8-gemm on over main's states), both evaluated on the same
 # prompts; ~12 minutes of one H200.
 PROFILES["h200-fp8gemm"] = replace(PROFILES["h200-compare"], phase3=("fp8gemm",))
+# Issue 18's check of the shared TTT unroll: `h200-compare`'s phases 1-2 (main trained with 04's
+# default, the shared unroll), then only the same draft trained with --ttt-unroll per-step on
+# main's states, both evaluated on the same prompts.
+PROFILES["h200-unroll"] = replace(PROFILES["h200-compare"], phase3=("perstep",))
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
              "results/stages.json": "stages.json", "results/controls.json": "controls.json",
              "bench_t0/05_benchmark/results.json": "bench_t0_results.json",

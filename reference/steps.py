@@ -10,8 +10,9 @@ Work folder layout (`W` = --workdir):
     W/fp8/         02b with fp8 storage + 04 (merged data and vocab linked to main)
     W/fp8_all/, W/topk/, W/topk_tail/  the same for the compact layouts (LAYOUT_RUNS);
                    topk_tail trains from topk's files with the tail-bucket loss
-    W/mla/, W/fp8gemm/  04 on main's merged data, states and vocab (SAME_STATE_RUNS): the MLA
-                   draft, and the Llama draft with the profile's FP8 GEMM flags
+    W/mla/, W/fp8gemm/, W/perstep/  04 on main's merged data, states and vocab
+                   (SAME_STATE_RUNS): the MLA draft, the Llama draft with the profile's FP8 GEMM
+                   flags, the Llama draft trained with the per-step TTT unroll
     W/size_<n>/    02b + 03 + 04 on the first n merged train samples
     W/epochs/      per-epoch checkpoints of main exported as draft folders
     W/results/     stages.json (every stage's record), evals/ (sweep results), controls.json,
@@ -40,9 +41,11 @@ BENCH_STEPS = (3, 7)  # chains 05 measures: SGLang's 3-1-4 setting (ceiling 4) a
 LAYOUT_RUNS = {"fp8": ("fp8", None, None), "fp8_all": ("fp8-all", None, None),
                "topk": ("fp8-topk", "renorm", None), "topk_tail": ("fp8-topk", "tail", "topk")}
 # Drafts trained on main's own bf16 states, merged data and vocabulary, so that only the draft
-# differs (issues 16 and the FP8 GEMM option of 04): work folder -> what its 04 adds to main's
-# flags ("profile" = the profile's fp8gemm_train in place of its train_precision).
-SAME_STATE_RUNS = {"mla": ("--draft-arch", "mla"), "fp8gemm": "profile"}
+# or 04's way of training it differs (issue 16, the FP8 GEMM option, the per-step TTT unroll
+# beside main's shared one): work folder -> what its 04 adds to main's flags ("profile" = the
+# profile's fp8gemm_train in place of its train_precision).
+SAME_STATE_RUNS = {"mla": ("--draft-arch", "mla"), "fp8gemm": "profile",
+                   "perstep": ("--ttt-unroll", "per-step")}
 
 
 class PhaseMissing(RuntimeError):

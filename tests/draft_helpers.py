@@ -24,9 +24,12 @@ def packed_row(seqs: list[list[int]], width: int):
             torch.tensor([pos + [0] * pad]))
 
 
-def masked_math_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False):
+def masked_math_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False, return_aux=None):
     """flex_attention's semantics, differentiable on CPU: a key is visible only if its block is
-    listed in the block mask (partial or full) and, in a partial block, the mask_mod allows it."""
+    listed in the block mask (partial or full) and, in a partial block, the mask_mod allows it.
+    With `return_aux` (AuxRequest(lse=True)): (out, AuxOutput with the natural-log lse)."""
+    from torch.nn.attention.flex_attention import AuxOutput
+
     T, S = q.shape[2], k.shape[2]
     qi, ki = torch.arange(T)[:, None], torch.arange(S)[None, :]
     blocks = block_mask.to_dense()[0, 0].bool()  # [Qb, Kb]: listed blocks
@@ -40,8 +43,11 @@ def masked_math_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False):
     if enable_gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+    scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(scores, -1) @ v
+    if return_aux is None:
+        return out
+    return out, AuxOutput(lse=torch.logsumexp(scores, -1), max_scores=None)
 
 
 def _randomise(draft, seed: int):

@@ -73,6 +73,8 @@ def rope_interleaved(x_BhTr: torch.Tensor, positions_BT: torch.Tensor, theta: fl
 class MLAAttention(nn.Module):
     """DeepSeek-V2 MLA over the draft's 2H-wide input (q_lora_rank required, as in SGLang)."""
 
+    in_projections = ("q_a_proj", "kv_a_proj_with_mqa")  # the linears over the 2H input
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
@@ -88,14 +90,15 @@ class MLAAttention(nn.Module):
                                    bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
 
-    def qkv(self, x_BT2H, positions_BT):
-        """q, k `[B, h, T, nope + rope]`, v `[B, h, T, v]`, RoPE applied at `positions_BT`."""
+    def qkv(self, project, positions_BT):
+        """q, k `[B, h, T, nope + rope]`, v `[B, h, T, v]`, RoPE applied at `positions_BT`;
+        `project(name)`: the output of the input projection `name` (model.py `layer`)."""
         cfg = self.cfg
-        B, T, _ = x_BT2H.shape
         h, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BT2H)))
+        q = self.q_b_proj(self.q_a_layernorm(project("q_a_proj")))
+        B, T, _ = q.shape
         q_nope, q_pe = q.view(B, T, h, nope + rope).transpose(1, 2).split([nope, rope], -1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x_BT2H).split([cfg.kv_lora_rank, rope], -1)
+        latent, k_pe = project("kv_a_proj_with_mqa").split([cfg.kv_lora_rank, rope], -1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, h, nope + cfg.v_head_dim)
         k_nope, v = kv.transpose(1, 2).split([nope, cfg.v_head_dim], -1)
         q_pe = rope_interleaved(q_pe, positions_BT, cfg.rope_theta)

@@ -18,9 +18,18 @@ steps 1..j at the same anchor (the tokens it drafted itself) — what the draft 
 
 Two attention implementations compute that softmax:
 - `naive`: materialised scores (any device; the reference, and serving through `StepCache`);
-- `flex`: `torch.nn.attention.flex_attention` over the keys of all steps so far concatenated, with
-  a block-sparse mask (causal step-0 blocks + one diagonal block per later step), built once per
-  batch (see `TTTMasks`). On CUDA it runs compiled (no score matrix in memory).
+- `flex`: `torch.nn.attention.flex_attention`, on CUDA compiled (no score matrix in memory), in
+  one of two forms: over step 0's keys with the batch's causal block mask, the later steps' own
+  keys (one per query, at its row) merged in by log-sum-exp (`merged_flex_attention`, the
+  shared unroll's); or over the keys of all steps so far concatenated, with a block mask that
+  adds one diagonal block per later step (`flex_ttt_attention`, the per-step unroll's). Both
+  masks come from `TTTMasks`, built once per batch.
+
+The input projections of the attention read `x = [e | h]`, whose embedding half `e` at step k,
+anchor t is step 0's at anchor t + k (both read token t+1+k). The shared TTT unroll
+(eagle3/train/ttt.py) therefore computes `e`'s share of every input projection once per batch
+(`embed_projections`) and each step adds only `h`'s share (`layer(..., embed_part=...)`): the
+same sums in another order, with 1/K of the embedding half's GEMMs.
 
 Shapes: B batch, T positions, H draft hidden, Ht target hidden, V draft vocab, h heads, hkv kv
 heads, d head dim, S steps so far.
@@ -226,36 +235,95 @@ _compiled_flex = None
 FLEX_RECOMPILE_LIMIT = 64  # >= 2 x ttt_steps x (distinct row widths); see flex_ttt_attention
 
 
-def flex_ttt_attention(q_BhTd, keys: list, values: list, block_mask) -> torch.Tensor:
-    """Attention of TTT step len(keys)-1 over the concatenated keys of all steps so far;
-    `block_mask` is `TTTMasks.for_step(len(keys) - 1)`."""
+def _flex(q_BhTd, k, v, block_mask, lse: bool = False):
+    """flex_attention (compiled when called eagerly on CUDA); with `lse`, (out, logsumexp
+    `[B, h, T]` float32, natural log) and the gradient flows through both."""
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention import flex_attention as fa
 
-    fn = flex_attention  # inside a torch.compile'd forward, traced into its graph as is
+    fn = fa.flex_attention  # inside a torch.compile'd forward, traced into its graph as is
     if q_BhTd.is_cuda and not torch.compiler.is_compiling():
         # eager flex is a reference (materialised scores); compiled, it is the fused kernel
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            _compiled_flex = torch.compile(fa.flex_attention, dynamic=False)
         fn = _compiled_flex
-    k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
-    v = values[0] if len(values) == 1 else torch.cat(values, dim=2)
-    # Every TTT step has its own key length, and training and eval differ in grad mode: about
-    # 2 x ttt_steps compiled graphs per row width. Past dynamo's default recompile limit (8) the
-    # call silently falls back to eager flex, which materialises the scores: the reference run
-    # trained a 512-wide draft at ~1 s/step that way (eval added the 9th graph).
     kwargs = dict(block_mask=block_mask, scale=1.0 / math.sqrt(q_BhTd.shape[-1]),
                   enable_gqa=q_BhTd.shape[1] != k.shape[1])
+    if lse:
+        kwargs["return_aux"] = fa.AuxRequest(lse=True)
     if fn is not _compiled_flex:  # traced into an outer compiled graph, or the CPU reference
-        return fn(q_BhTd, k, v, **kwargs)
-    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
-        return fn(q_BhTd, k, v, **kwargs)
+        out = fn(q_BhTd, k, v, **kwargs)
+    else:
+        # Each distinct key length and grad mode is a compiled graph of its own (per-step
+        # unroll: about 2 x ttt_steps per row width). Past dynamo's default recompile limit (8)
+        # the call silently falls back to eager flex, which materialises the scores: the
+        # reference run trained a 512-wide draft at ~1 s/step that way.
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+            out = fn(q_BhTd, k, v, **kwargs)
+    return (out[0], out[1].lse) if lse else out
+
+
+def flex_ttt_attention(q_BhTd, cache: StepCache, block_mask) -> torch.Tensor:
+    """Attention of TTT step len(cache.ks) over the keys of all steps so far, concatenated;
+    `block_mask` is `TTTMasks.for_step(len(cache.ks))` (the per-step unroll)."""
+    k = torch.cat([cache.k0, *cache.ks], dim=2) if cache.ks else cache.k0
+    v = torch.cat([cache.v0, *cache.vs], dim=2) if cache.vs else cache.v0
+    return _flex(q_BhTd, k, v, block_mask)
+
+
+def merged_flex_attention(q_BhTd, cache: StepCache, block_mask) -> torch.Tensor:
+    """The same softmax as flex_ttt_attention, computed as: flex over step 0's keys alone
+    (`block_mask` = `TTTMasks.for_step(0)`, every step the same), then the keys of steps
+    1..S at the query's own row merged in by log-sum-exp, in float32:
+
+        out = (e^lse0 * out0 + sum_j e^s_j * v_j) / (e^lse0 + sum_j e^s_j),  s_j = q.k_j / sqrt(d)
+
+    No keys are concatenated and no diagonal mask blocks are computed (the shared unroll)."""
+    out0, lse0 = _flex(q_BhTd, cache.k0, cache.v0, block_mask, lse=True)
+    if not cache.ks:
+        return out0
+    B, h, T, d = q_BhTd.shape
+    hkv = cache.k0.shape[1]
+    g = h // hkv  # query heads per kv head (GQA): kv heads broadcast over a view, no copies
+    q = q_BhTd.view(B, hkv, g, T, d).float()
+    scores = torch.stack([(q * k[:, :, None].float()).sum(-1) for k in cache.ks], dim=-1)
+    scores = scores / math.sqrt(d)  # [B, hkv, g, T, S]
+    lse0 = lse0.view(B, hkv, g, T)
+    top = torch.maximum(lse0, scores.amax(-1))  # the largest term, for a stable exp
+    w0, w = torch.exp(lse0 - top), torch.exp(scores - top[..., None])
+    dv = out0.shape[-1]  # the value width (MLA: not the query's)
+    num = w0[..., None] * out0.view(B, hkv, g, T, dv).float()
+    for j, v in enumerate(cache.vs):
+        num = num + w[..., j, None] * v[:, :, None].float()
+    out = num / (w0 + w.sum(-1))[..., None]
+    return out.view(B, h, T, dv).to(q_BhTd.dtype)
+
+
+def linear_columns(linear: nn.Linear, x: torch.Tensor, start: int) -> torch.Tensor:
+    """`x @ W[:, start:start + x.shape[-1]]^T`: the share of one block of `linear`'s input
+    columns (the draft's linears have no bias). A layer with its own way (FP8 training:
+    eagle3/train/fp8.py) provides `forward_columns`."""
+    own = getattr(linear, "forward_columns", None)
+    if own is not None:
+        return own(x, start)
+    return F.linear(x, linear.weight[:, start:start + x.shape[-1]])
+
+
+def _store(cache: StepCache, k, v) -> None:
+    """A step's keys/values into the cache: step 0's (the extend) first, then one per step."""
+    if cache.k0 is None:
+        cache.k0, cache.v0 = k, v
+    else:
+        cache.ks.append(k)
+        cache.vs.append(v)
 
 
 # ---------------------------------------------------------------- the layer
 
 
 class Attention(nn.Module):
+    in_projections = ("q_proj", "k_proj", "v_proj")  # the linears over the 2H input
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
@@ -266,13 +334,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, H, bias=False)
 
-    def qkv(self, x_BT2H, positions_BT):
-        """q `[B, h, T, d]`, k and v `[B, hkv, T, d]`, RoPE applied at `positions_BT`."""
+    def qkv(self, project, positions_BT):
+        """q `[B, h, T, d]`, k and v `[B, hkv, T, d]`, RoPE applied at `positions_BT`;
+        `project(name)` is the output `[B, T, N]` of the input projection `name` (see layer)."""
         cfg = self.cfg
-        B, T, _ = x_BT2H.shape
-        q = self.q_proj(x_BT2H).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BT2H).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(x_BT2H).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        q = project("q_proj")
+        B, T, _ = q.shape
+        q = q.view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = project("k_proj").view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = project("v_proj").view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -336,53 +406,72 @@ class Eagle3Draft(nn.Module):
             aux_BT3H = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_BT3H)
 
-    def layer(self, embeds_BTH, hidden_BTH, positions_BT, attend):
+    def embed_projections(self, embeds_BTH) -> dict:
+        """The embedding half's share of every attention input projection, `{name: [B, T, N]}`
+        (`input_layernorm(embed) @ W[:, :H]^T`): the shared TTT unroll computes it once per
+        batch and shifts it one row per step (eagle3/train/ttt.py)."""
+        attn = self.midlayer.self_attn
+        e = self.midlayer.input_layernorm(embeds_BTH)
+        return {name: linear_columns(getattr(attn, name), e, 0) for name in attn.in_projections}
+
+    def layer(self, embeds_BTH, hidden_BTH, positions_BT, attend, embed_part=None):
         """One pass of the layer: (normed output `[B, T, H]`, next hidden): the pre-norm sum, or
         with `norm_output` the normed output itself (EAGLE-3.1).
 
         `attend(q, k, v)` stores this step's keys/values and returns the attention `[B,h,T,d]`.
+        `embed_part` (`embed_projections` of this step's tokens, `embeds_BTH` then unused): each
+        input projection is that share plus the hidden half's, `hidden_norm(h) @ W[:, H:]^T`.
         """
-        mid = self.midlayer
-        x = torch.cat([mid.input_layernorm(embeds_BTH), mid.hidden_norm(hidden_BTH)], dim=-1)
-        q, k, v = mid.self_attn.qkv(x, positions_BT)
-        attn = mid.self_attn.out(attend(q, k, v))
-        normed, residual = mid.post_attention_layernorm(attn, hidden_BTH)
+        mid, attn = self.midlayer, self.midlayer.self_attn
+        if embed_part is None:
+            x = torch.cat([mid.input_layernorm(embeds_BTH), mid.hidden_norm(hidden_BTH)], dim=-1)
+
+            def project(name):
+                return getattr(attn, name)(x)
+        else:
+            h = mid.hidden_norm(hidden_BTH)
+
+            def project(name):
+                return embed_part[name] + linear_columns(getattr(attn, name), h,
+                                                         self.cfg.hidden_size)
+        q, k, v = attn.qkv(project, positions_BT)
+        out = attn.out(attend(q, k, v))
+        normed, residual = mid.post_attention_layernorm(out, hidden_BTH)
         out, summed = self.norm(mid.mlp(normed), residual)
         return out, (out if self.cfg.norm_output else summed)
 
     def step(self, embeds_BTH, hidden_BTH, positions_BT, cache: StepCache,
-             anchors_T: torch.Tensor | None = None, doc_BT: torch.Tensor | None = None):
+             anchors_T: torch.Tensor | None = None, doc_BT: torch.Tensor | None = None,
+             embed_part: dict | None = None):
         """One draft step with the naive attention: (logits `[B, T, V]`, next hidden `[B,T,H]`).
 
         `hidden_BTH` is `fc(aux)` for step 0 and the previous step's output after. The first
         call fills the step-0 cache (the draft extend); later calls are decode steps whose query
         row i belongs to step-0 row `anchors_T[i]` (default: row i -> i, as in training).
+        `embed_part`: see `layer`.
         """
         if anchors_T is None:
-            anchors_T = torch.arange(embeds_BTH.shape[1], device=embeds_BTH.device)
+            anchors_T = torch.arange(hidden_BTH.shape[1], device=hidden_BTH.device)
 
         def attend(q, k, v):
-            if cache.k0 is None:
-                cache.k0, cache.v0 = k, v
-            else:
-                cache.ks.append(k)
-                cache.vs.append(v)
+            _store(cache, k, v)
             return naive_ttt_attention(q, cache, anchors_T, doc_BT)
 
-        normed, hidden = self.layer(embeds_BTH, hidden_BTH, positions_BT, attend)
+        normed, hidden = self.layer(embeds_BTH, hidden_BTH, positions_BT, attend, embed_part)
         return self.lm_head(normed), hidden
 
-    def flex_step(self, embeds_BTH, hidden_BTH, positions_BT, keys: list, values: list,
-                  block_mask):
-        """One TTT step with flex attention (training): (logits, next hidden). `keys`/`values`
-        hold the earlier steps' and receive this step's; `block_mask` is this step's mask."""
+    def flex_step(self, embeds_BTH, hidden_BTH, positions_BT, cache: StepCache, block_mask,
+                  embed_part: dict | None = None, merged: bool = True):
+        """One TTT step with flex attention (training): (logits, next hidden). `cache` holds the
+        earlier steps' keys/values and receives this step's; `merged`: merged_flex_attention
+        (`block_mask` = the step-0 mask) or flex_ttt_attention (this step's extended mask)."""
+        attention = merged_flex_attention if merged else flex_ttt_attention
 
         def attend(q, k, v):
-            keys.append(k)
-            values.append(v)
-            return flex_ttt_attention(q, keys, values, block_mask)
+            _store(cache, k, v)
+            return attention(q, cache, block_mask)
 
-        normed, hidden = self.layer(embeds_BTH, hidden_BTH, positions_BT, attend)
+        normed, hidden = self.layer(embeds_BTH, hidden_BTH, positions_BT, attend, embed_part)
         return self.lm_head(normed), hidden
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,11 @@ costs 3x its forward (forward, input gradient, weight gradient). Attention count
 a query really sees: the causal prefix of its own sequence plus one diagonal key per earlier
 step (QK^T and PV: 4 * heads * head_dim per query-key pair). Elementwise work (norms, RoPE,
 softmax, loss) is not counted, as usual for MFU.
+
+The shared unroll (eagle3/train/ttt.py, the default) computes the embedding half of the attention's
+input projections (`input_layernorm(embed) @ W[:, :H]^T`) once per row instead of once per step and
+row: `embed_half` counts it once, `layer_gemms` the rest. What is counted is what runs, so MFU
+compares unrolls by the work each one does, and tokens/s is the figure to compare them by.
 """
 
 from __future__ import annotations
@@ -22,29 +27,42 @@ class StepFlops:
     attention: int  # QK^T + PV over visible keys, forward, summed over steps
     fc: int  # forward, once per row
     teacher: int  # forward only
+    embed_half: int = 0  # the shared unroll's embedding half of the input projections, forward
 
     @property
     def train(self) -> int:
-        """Forward + backward of everything trained, plus the teacher's forward."""
-        return 3 * (self.layer_gemms + self.attention) + 2 * self.fc + self.teacher
+        """Forward + backward of everything trained, plus the teacher's forward (the embedding
+        half's input gradient feeds input_layernorm's weight: 3x as well)."""
+        return (3 * (self.layer_gemms + self.attention + self.embed_half) + 2 * self.fc
+                + self.teacher)
+
+
+def input_projection_width(cfg: DraftConfig) -> int:
+    """Output columns of the attention's projections over the 2H input (model.py
+    `in_projections`): q, k, v; or MLA's q_a and kv_a (latent + shared rope key)."""
+    if cfg.arch == "mla":
+        return cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
 
 
 def layer_gemm_flops_per_row(cfg: DraftConfig) -> int:
+    """Forward FLOPs of one TTT step per row, the input projections over the whole 2H input."""
     H, inter = cfg.hidden_size, cfg.intermediate_size
-    if cfg.arch == "mla":  # q_a, kv_a over 2H; q_b, kv_b from the latents; o_proj (mla.py)
+    inputs = 2 * H * input_projection_width(cfg)
+    if cfg.arch == "mla":  # q_b, kv_b from the latents; o_proj (mla.py)
         h, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        attn = (2 * H * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-                + cfg.q_lora_rank * h * qk
+        attn = (inputs + cfg.q_lora_rank * h * qk
                 + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
                 + h * cfg.v_head_dim * H)
         return 2 * (attn + 3 * H * inter + H * cfg.draft_vocab_size)
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return 2 * (2 * H * (q + 2 * kv) + q * H + 3 * H * inter + H * cfg.draft_vocab_size)
+    q = cfg.num_attention_heads * cfg.head_dim
+    return 2 * (inputs + q * H + 3 * H * inter + H * cfg.draft_vocab_size)
 
 
 def micro_step_flops(cfg: DraftConfig, rows: int, seq_lengths: list[int], steps: int,
-                     dense_attention: bool = False) -> StepFlops:
-    """FLOPs of one packed row of `rows` positions holding sequences of `seq_lengths`.
+                     dense_attention: bool = False, unroll: str = "shared") -> StepFlops:
+    """FLOPs of one packed row of `rows` positions holding sequences of `seq_lengths`, for the
+    TTT `unroll` ("shared" or "per-step", eagle3/train/ttt.py).
 
     `dense_attention` counts the full `rows x rows` score matrix per step instead (what the
     naive implementation multiplies; used to check this count against a FLOP counter).
@@ -59,9 +77,15 @@ def micro_step_flops(cfg: DraftConfig, rows: int, seq_lengths: list[int], steps:
         context = sum(n * (n + 1) // 2 for n in seq_lengths)  # causal keys, summed over queries
         queries = sum(seq_lengths)
         attention = sum(pair * (context + s * queries) for s in range(steps))
+    layer = steps * rows * layer_gemm_flops_per_row(cfg)
+    embed_half = 0
+    if unroll == "shared":  # H of the 2H input columns: once per row, not once per step
+        embed_half = 2 * rows * cfg.hidden_size * input_projection_width(cfg)
+        layer -= steps * embed_half
     return StepFlops(
-        layer_gemms=steps * rows * layer_gemm_flops_per_row(cfg),
+        layer_gemms=layer,
         attention=attention,
         fc=2 * rows * 3 * cfg.target_hidden_size * cfg.hidden_size,
         teacher=2 * rows * cfg.target_hidden_size * cfg.draft_vocab_size,
+        embed_half=embed_half,
     )

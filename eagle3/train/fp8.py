@@ -147,13 +147,27 @@ def _quantize_weight(w: torch.Tensor) -> tuple:
     return (*fn(w), *fn(w.t()))
 
 
-def fp8_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """`x @ w^T` in FP8 with both operands quantised here: Fp8Linear's eager forward (a compiled
-    one reads the weight's cached copies instead)."""
-    qx, sx = quantize_rows(x_MK.detach())
-    with torch.no_grad():
-        qw, sw, qwt, swt = _quantize_weight(w_NK.detach())
+def _fp8_columns(x_MK: torch.Tensor, w_NK: torch.Tensor, copies: tuple,
+                 start: int) -> torch.Tensor:
+    """`x @ w[:, start:start + K]^T` (K = x's width) from the whole weight's e4m3 `copies`
+    (qw, sw, qwt, swt): qw's rows cut to the block keep their whole-row scales (never below the
+    block's amax, so nothing saturates); the rows of qwt are the block's columns, each with its
+    own scale, exactly what the input gradient needs."""
+    qw, sw, qwt, swt = copies
+    K = x_MK.shape[-1]
+    if K != w_NK.shape[1]:
+        w_NK = w_NK[:, start:start + K]
+        qw, qwt, swt = qw[:, start:start + K], qwt[start:start + K], swt[start:start + K]
+    qx, sx = quantize_rows(x_MK.detach())  # traced when compiling: fused with its producer
     return fp8_linear(x_MK, qx, sx, w_NK, qw, sw, qwt, swt)
+
+
+def fp8_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """`x @ w[:, start:start + K]^T` in FP8 with both operands quantised here: Fp8Linear's eager
+    forward (a compiled one reads the weight's cached copies instead; the same values)."""
+    with torch.no_grad():
+        copies = _quantize_weight(w_NK.detach())
+    return _fp8_columns(x_MK, w_NK, copies, start)
 
 
 class Fp8Linear(nn.Linear):
@@ -173,17 +187,25 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return super().forward(x)
+        y = self.forward_columns(x, 0)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def forward_columns(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """`x @ W[:, start:start + k]^T` for `x` k wide, in FP8 in training mode (the plain GEMM
+        in eval mode): the whole weight for k = in_features, or one block of input columns, as
+        the shared TTT unroll computes the halves of the attention's input projections
+        (eagle3/draft/model.py `linear_columns`; scales: `_fp8_columns`)."""
+        k = x.shape[-1]
+        if not self.training:
+            return F.linear(x, self.weight[:, start:start + k])
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
             x.device.type) else x.dtype
-        x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
+        x_MK = x.reshape(-1, k).to(dtype)
         if torch.compiler.is_compiling():
-            qx, sx = quantize_rows(x_MK.detach())  # traced: fused into the neighbouring kernels
-            y = fp8_linear(x_MK, qx, sx, self.weight, self.fp8_w, self.fp8_w_scale, self.fp8_wt,
-                           self.fp8_wt_scale)
+            copies = (self.fp8_w, self.fp8_w_scale, self.fp8_wt, self.fp8_wt_scale)
+            y = _fp8_columns(x_MK, self.weight, copies, start)
         else:
-            y = fp8_matmul(x_MK, self.weight)
-        if self.bias is not None:
-            y = y + self.bias.to(dtype)
+            y = fp8_matmul(x_MK, self.weight, start)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def attach(self) -> None:

@@ -9,6 +9,14 @@ eagle3/train/teacher.py). The stored final state is post-norm: no second norm he
 the targets, so the last prompt position (the first the draft serves) is trained — and 0 when
 t+1+k lies outside t's sequence. Step k's mean loss is scaled by `step_weight ** k`.
 
+Two unrolls compute the same logits (tests/draft/test_draft_model.py holds both to a float64
+serving reference): `shared` (the default) computes the embedding half of the attention's input
+projections once per batch and, with flex attention, attends over step 0's keys alone with the
+later steps' keys merged in by log-sum-exp (eagle3/draft/model.py); `per-step` computes every
+step's projections in full and attends over all steps' keys concatenated. At Kimi-K2.5 draft size
+`shared` does 14% fewer FLOPs per token (eagle3/train/flops.py) and steps faster (BENCHMARKS.md,
+"Training step").
+
 Metrics stay on the device (no host sync per micro-step): per step the summed CE, the number of
 anchors whose argmax equals the teacher's argmax (over the draft vocabulary: the training
 target, not what serving accepts), and the summed weight. The acceptance estimate, which walks
@@ -25,6 +33,7 @@ from eagle3.draft.model import Eagle3Draft, StepCache, TTTMasks
 from eagle3.train.teacher import TailBucketCE, teacher_targets
 
 ATTENTION = ("naive", "flex")
+UNROLLS = ("shared", "per-step")
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -58,6 +67,15 @@ def shift_rows(x_BT: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
     return torch.cat([x_BT[:, n:], pad], dim=1)
 
 
+def shift_repeat_last(x_BTN: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, n:] followed by n copies of its last row: step n's rows from step 0's embedding
+    projections, whose last row is the padding token's, the token `shift_rows(ids, 1 + n)`
+    puts in the last n + 1 rows."""
+    if n == 0:
+        return x_BTN
+    return torch.cat([x_BTN[:, n:], x_BTN[:, -1:].expand(-1, n, -1)], dim=1)
+
+
 def num_stats(steps: int) -> int:
     return 3 * steps
 
@@ -81,40 +99,54 @@ class TTTModel(nn.Module):
 
     def __init__(self, draft: Eagle3Draft, embed_VH: torch.Tensor, teacher_VdH: torch.Tensor,
                  steps: int, step_weight: float, attention: str = "naive",
-                 compute_dtype: torch.dtype = torch.float32, topk_teacher: str = "renorm"):
+                 compute_dtype: torch.dtype = torch.float32, topk_teacher: str = "renorm",
+                 unroll: str = "shared"):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"attention {attention!r}: expected one of {ATTENTION}")
+        if unroll not in UNROLLS:
+            raise ValueError(f"--ttt-unroll {unroll!r}: expected one of {UNROLLS}")
         self.draft = draft
         self.register_buffer("embed", embed_VH.to(compute_dtype), persistent=False)
         self.register_buffer("teacher", teacher_VdH.to(compute_dtype), persistent=False)
         self.steps, self.step_weight, self.attention = steps, step_weight, attention
         self.compute_dtype = compute_dtype
         self.topk_teacher = topk_teacher  # how a stored top-k teacher's tail counts (teacher.py)
+        self.unroll_mode = unroll  # UNROLLS (module doc)
 
     def build_masks(self, doc_ids_BT: torch.Tensor, compile_mask: bool = False) -> list | None:
         """Flex block masks of every step (None for the naive attention); build outside
-        compiled regions and pass to `forward`."""
+        compiled regions and pass to `forward`. The shared unroll's steps all use step 0's."""
         if self.attention != "flex":
             return None
-        return TTTMasks(doc_ids_BT, compile_mask).all_steps(self.steps)
+        masks = TTTMasks(doc_ids_BT, compile_mask)
+        if self.unroll_mode == "shared":
+            return [masks.for_step(0)] * self.steps
+        return masks.all_steps(self.steps)
 
     def unroll(self, input_ids, doc_ids, positions, aux, masks=None) -> list:
         """The draft logits `[B, T, V]` of steps 0..K-1 (row t = anchor t; rows whose token
         t+1+k lies outside the sequence are garbage that no valid row ever attends to)."""
         T = input_ids.shape[1]
-        hidden = self.draft.project_aux(aux.to(self.compute_dtype))  # once per batch, not per step
-        keys, values, cache = [], [], StepCache()
+        draft, shared = self.draft, self.unroll_mode == "shared"
+        hidden = draft.project_aux(aux.to(self.compute_dtype))  # once per batch, not per step
+        if shared:  # step 0 reads token t+1: its rows, shifted, serve every step (model.py)
+            step0 = draft.embed_projections(F.embedding(shift_rows(input_ids, 1), self.embed))
+        cache = StepCache()
         anchors = torch.arange(T, device=input_ids.device)
         out = []  # a list, not a generator: simpler for torch.compile to trace
         for k in range(self.steps):
-            embeds = F.embedding(shift_rows(input_ids, 1 + k), self.embed)
-            if self.attention == "flex":
-                logits, hidden = self.draft.flex_step(embeds, hidden, positions + k, keys, values,
-                                                      masks[k])
+            embeds, part = None, None
+            if shared:
+                part = {name: shift_repeat_last(p, k) for name, p in step0.items()}
             else:
-                logits, hidden = self.draft.step(embeds, hidden, positions + k, cache, anchors,
-                                                 doc_ids)
+                embeds = F.embedding(shift_rows(input_ids, 1 + k), self.embed)
+            if self.attention == "flex":
+                logits, hidden = draft.flex_step(embeds, hidden, positions + k, cache, masks[k],
+                                                 part, merged=shared)
+            else:
+                logits, hidden = draft.step(embeds, hidden, positions + k, cache, anchors,
+                                            doc_ids, part)
             out.append(logits)
         return out
 

@@ -88,9 +88,11 @@ class Reference(ChainReference):
         return rows, kv
 
 
-@pytest.mark.parametrize("attention,options", [("naive", False), ("flex", False),
-                                               ("naive", True)])
-def test_training_unroll_matches_serving_reference_when_sequences_are_packed(attention, options):
+@pytest.mark.parametrize("attention,options,unroll", [
+    ("naive", False, "shared"), ("flex", False, "shared"), ("naive", True, "shared"),
+    ("naive", False, "per-step"), ("flex", False, "per-step")])
+def test_training_unroll_matches_serving_reference_when_sequences_are_packed(attention, options,
+                                                                             unroll):
     torch.manual_seed(1)
     draft = _draft(fc_norm=options, norm_output=options)
     embed = torch.randn(VT, H)
@@ -98,7 +100,7 @@ def test_training_unroll_matches_serving_reference_when_sequences_are_packed(att
     width = FLEX_BLOCK if attention == "flex" else 26
     ids, doc, pos = packed_row(seqs, width)
     aux = torch.randn(1, width, 3 * H)
-    model = TTTModel(draft, embed, torch.randn(VD, H), K, 0.8, attention)
+    model = TTTModel(draft, embed, torch.randn(VD, H), K, 0.8, attention, unroll=unroll)
     with torch.no_grad():
         logits = list(model.unroll(ids, doc, pos, aux, model.build_masks(doc)))
     assert_unroll_matches(Reference(draft, embed), logits, seqs, aux, K)
@@ -156,10 +158,12 @@ def test_flex_block_masks_match_dense_mask_when_sequences_are_packed():
         assert torch.equal(got.kv_num_blocks, ref.kv_num_blocks), s
 
 
-def test_flex_and_naive_attention_give_equal_loss_and_gradients(monkeypatch):
-    # flex_attention has no CPU backward: its documented semantics (block sparsity + mask_mod)
-    # stand in for the kernel, so everything around it (concatenated keys, the extended block
+def test_unrolls_and_attentions_give_equal_loss_and_gradients(monkeypatch):
+    # flex_attention has no CPU backward: its documented semantics (block sparsity + mask_mod,
+    # the log-sum-exp on request) stand in for the kernel, so everything around it (the shared
+    # embedding half, the log-sum-exp merge and its gradient, concatenated keys, the block
     # masks, GQA, positions) is checked with gradients; the kernel itself runs on the GPU.
+    # Reference: the naive attention with the per-step unroll (the layer as served, per step).
     import torch.nn.attention.flex_attention as fa
 
     monkeypatch.setattr(fa, "flex_attention", masked_math_flex)
@@ -170,17 +174,20 @@ def test_flex_and_naive_attention_give_equal_loss_and_gradients(monkeypatch):
     mask = (torch.rand(1, FLEX_BLOCK) < 0.7).long()
     aux, final = torch.randn(1, FLEX_BLOCK, 3 * H), torch.randn(1, FLEX_BLOCK, H)
     grads, results = [], []
-    for attention in ("naive", "flex"):
-        model = TTTModel(_draft(5), embed, teacher, K, 0.8, attention)
+    runs = [("naive", "per-step"), ("naive", "shared"), ("flex", "per-step"), ("flex", "shared")]
+    for attention, unroll in runs:
+        model = TTTModel(_draft(5), embed, teacher, K, 0.8, attention, unroll=unroll)
         loss, stats = model(ids, mask, doc, pos, aux, final, model.build_masks(doc))
         loss.backward()
         results.append((loss.detach(), stats))
         grads.append({n: p.grad for n, p in model.draft.named_parameters()})
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)
-    for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6,
-                                   msg=name)
+    for run, result, grad in zip(runs[1:], results[1:], grads[1:]):
+        torch.testing.assert_close(result[0], results[0][0], rtol=1e-5, atol=1e-6, msg=run)
+        torch.testing.assert_close(result[1], results[0][1], rtol=1e-5, atol=1e-5, msg=run)
+        for name in grads[0]:
+            assert grad[name] is not None and grad[name].abs().sum() > 0, (run, name)
+            torch.testing.assert_close(grad[name], grads[0][name], rtol=1e-4, atol=1e-6,
+                                       msg=f"{run} {name}")
 
 
 def test_soft_cross_entropy_matches_autograd_reference():

@@ -87,10 +87,11 @@ class SGLangMLAReference(ChainReference):
         return rows, cache
 
 
-@pytest.mark.parametrize("attention,options", [("naive", False), ("naive", True),
-                                               ("flex", True)])
+@pytest.mark.parametrize("attention,options,unroll", [
+    ("naive", False, "shared"), ("naive", True, "shared"), ("flex", True, "shared"),
+    ("naive", False, "per-step"), ("flex", True, "per-step")])
 def test_mla_training_unroll_matches_sglang_reference_when_sequences_are_packed(attention,
-                                                                                 options):
+                                                                                 options, unroll):
     torch.manual_seed(1)
     draft = mla_draft(fc_norm=options, norm_output=options)
     embed = torch.randn(VT, H)
@@ -98,7 +99,7 @@ def test_mla_training_unroll_matches_sglang_reference_when_sequences_are_packed(
     width = FLEX_BLOCK if attention == "flex" else 21
     ids, doc, pos = packed_row(seqs, width)
     aux = torch.randn(1, width, 3 * H)
-    model = TTTModel(draft, embed, torch.randn(VD, H), K, 0.8, attention)
+    model = TTTModel(draft, embed, torch.randn(VD, H), K, 0.8, attention, unroll=unroll)
     with torch.no_grad():
         logits = model.unroll(ids, doc, pos, aux, model.build_masks(doc))
     assert_unroll_matches(SGLangMLAReference(draft, embed), logits, seqs, aux, K)
@@ -122,7 +123,7 @@ def test_mla_serving_chain_matches_sglang_reference_when_one_anchor_drafts(optio
     assert Eagle3Proposer(draft, embed).propose(ids, aux, 5) == expected
 
 
-def test_mla_flex_and_naive_attention_give_equal_loss_and_gradients(monkeypatch):
+def test_mla_unrolls_and_attentions_give_equal_loss_and_gradients(monkeypatch):
     import torch.nn.attention.flex_attention as fa
 
     monkeypatch.setattr(fa, "flex_attention", masked_math_flex)  # see test_draft_model.py
@@ -133,16 +134,20 @@ def test_mla_flex_and_naive_attention_give_equal_loss_and_gradients(monkeypatch)
     mask = (torch.rand(1, FLEX_BLOCK) < 0.7).long()
     aux, final = torch.randn(1, FLEX_BLOCK, 3 * H), torch.randn(1, FLEX_BLOCK, H)
     losses, grads = [], []
-    for attention in ("naive", "flex"):
-        model = TTTModel(mla_draft(5, fc_norm=True), embed, teacher, K, 0.8, attention)
+    runs = [("naive", "per-step"), ("naive", "shared"), ("flex", "per-step"), ("flex", "shared")]
+    for attention, unroll in runs:  # against the first: the layer as served, per step
+        model = TTTModel(mla_draft(5, fc_norm=True), embed, teacher, K, 0.8, attention,
+                         unroll=unroll)
         loss, _ = model(ids, mask, doc, pos, aux, final, model.build_masks(doc))
         loss.backward()
         losses.append(loss.detach())
         grads.append({n: p.grad for n, p in model.draft.named_parameters()})
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
-    for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6,
-                                   msg=name)
+    for run, loss, grad in zip(runs[1:], losses[1:], grads[1:]):
+        torch.testing.assert_close(loss, losses[0], rtol=1e-5, atol=1e-6, msg=run)
+        for name in grads[0]:
+            assert grad[name] is not None and grad[name].abs().sum() > 0, (run, name)
+            torch.testing.assert_close(grad[name], grads[0][name], rtol=1e-4, atol=1e-6,
+                                       msg=f"{run} {name}")
 
 
 def test_mla_draft_is_sized_from_the_target_when_it_uses_mla(tmp_path):
@@ -168,13 +173,15 @@ def test_mla_draft_is_sized_from_the_target_when_it_uses_mla(tmp_path):
         read_mla_dims(tmp_path)
 
 
-def test_mla_flop_count_matches_torch_flop_counter_when_attention_is_dense():
+@pytest.mark.parametrize("unroll", ["shared", "per-step"])
+def test_mla_flop_count_matches_torch_flop_counter_when_attention_is_dense(unroll):
     from torch.utils.flop_counter import FlopCounterMode
 
     from eagle3.train.flops import micro_step_flops
 
     draft = mla_draft(6)
-    model = TTTModel(draft, torch.randn(VT, H), torch.randn(VD, H), steps=3, step_weight=0.8)
+    model = TTTModel(draft, torch.randn(VT, H), torch.randn(VD, H), steps=3, step_weight=0.8,
+                     unroll=unroll)
     T = 20
     ids, mask = torch.randint(0, VT, (1, T)), torch.ones(1, T, dtype=torch.long)
     doc, pos = torch.zeros(1, T, dtype=torch.int32), torch.arange(T)[None]
@@ -182,4 +189,5 @@ def test_mla_flop_count_matches_torch_flop_counter_when_attention_is_dense():
         loss, _ = model(ids, mask, doc, pos, torch.randn(1, T, 3 * H), torch.randn(1, T, H))
         loss.backward()
     assert counter.get_total_flops() == micro_step_flops(draft.cfg, T, [T], 3,
-                                                         dense_attention=True).train
+                                                         dense_attention=True,
+                                                         unroll=unroll).train

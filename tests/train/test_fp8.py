@@ -15,13 +15,15 @@ from eagle3.train.fp8 import (E4M3, Fp8Linear, fp8_matmul, quantize_rows, refres
                               resolve_mode, use_fp8_gemms)
 
 
+def deq(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to e4m3 with one scale per row, back in float64."""
+    t = t.double()
+    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (t / scale).to(E4M3).double() * scale
+
+
 def simulated(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     """`a @ b^T` in float64 from each operand rounded to e4m3 with one scale per row."""
-    def deq(t):
-        t = t.double()
-        scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
-        return (t / scale).to(E4M3).double() * scale
-
     return deq(a_MK) @ deq(b_NK).t()
 
 
@@ -51,6 +53,33 @@ def test_forward_and_both_gradients_equal_the_float64_simulation_of_rowwise_e4m3
             assert rel(row_got, row_want) < 1e-2
     # and the rounding is real: e4m3 keeps 3 mantissa bits
     assert 1e-3 < rel(y, x.double() @ w.double().t()) < 0.08
+
+
+def test_a_block_of_input_columns_keeps_whole_row_scales_and_its_gradients_reach_the_block():
+    # the shared TTT unroll's halves of an input projection: W[:, :K/2] and W[:, K/2:]
+    x, w = operands(K=64)
+    layer = nn.Linear(64, 48, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    use_fp8_gemms(nn.Sequential(layer))
+    g = torch.randn(40, 48, generator=torch.Generator().manual_seed(2))
+    w_deq = deq(w)  # the whole rows' scales
+    for start in (0, 32):
+        layer.zero_grad(set_to_none=True)
+        xb = x[:, start:start + 32].clone().requires_grad_()
+        y = layer.forward_columns(xb, start)
+        y.backward(g)
+        block = w[:, start:start + 32]
+        want = deq(xb.detach()) @ w_deq[:, start:start + 32].t()
+        assert rel(y, want) < 1e-2
+        # a block's own scales would round it differently where its amax is below the row's
+        assert rel(simulated(xb, block), want) > 1e-4
+        assert rel(xb.grad, simulated(g, block.t())) < 1e-2
+        grad = layer.weight.grad
+        assert rel(grad[:, start:start + 32], simulated(g.t(), xb.detach().t())) < 1e-2
+        assert grad[:, :start].abs().sum() == 0 and grad[:, start + 32:].abs().sum() == 0
+    layer.eval()  # eval mode: the plain GEMM of the block
+    torch.testing.assert_close(layer.forward_columns(x[:, 32:], 32), x[:, 32:] @ w[:, 32:].t())
 
 
 def test_compiled_step_keeps_the_fp8_operator_whole_and_its_gradients_equal_eager():
@@ -229,9 +258,9 @@ def test_04_with_fp8_gemms_compiled_and_fused_adamw_learns_like_the_fp32_run(
         calls["n"] += 1
         return original(*a)
 
-    def fused(draft, cfg, device):
-        return torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                 weight_decay=cfg.weight_decay, fused=True)
+    def fused(draft, lr, weight_decay, device):
+        return torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                                 weight_decay=weight_decay, fused=True)
 
     monkeypatch.setattr(fp8_module, "_scaled_mm", counted)
     monkeypatch.setattr(loop, "build_optimizer", fused)

@@ -265,13 +265,14 @@ def test_demo_training_lowers_the_loss_and_raises_acceptance_above_an_untrained_
 # ---------------------------------------------------------------- FLOP count
 
 
-def test_flop_count_matches_torch_flop_counter_when_attention_is_dense():
+@pytest.mark.parametrize("unroll", ["shared", "per-step"])
+def test_flop_count_matches_torch_flop_counter_when_attention_is_dense(unroll):
     from torch.utils.flop_counter import FlopCounterMode
 
     from eagle3.train.flops import micro_step_flops
 
     draft, embed, teacher = th.tiny_parts()
-    model = TTTModel(draft, embed, teacher, steps=3, step_weight=0.8)
+    model = TTTModel(draft, embed, teacher, steps=3, step_weight=0.8, unroll=unroll)
     T = 20
     ids, mask = torch.randint(0, th.VT, (1, T)), torch.ones(1, T, dtype=torch.long)
     doc, pos = torch.zeros(1, T, dtype=torch.int32), torch.arange(T)[None]
@@ -279,9 +280,9 @@ def test_flop_count_matches_torch_flop_counter_when_attention_is_dense():
     with FlopCounterMode(display=False) as counter:
         loss, _ = model(ids, mask, doc, pos, aux, final)
         loss.backward()
-    expected = micro_step_flops(draft.cfg, T, [T], 3, dense_attention=True)
+    expected = micro_step_flops(draft.cfg, T, [T], 3, dense_attention=True, unroll=unroll)
     assert counter.get_total_flops() == expected.train
-    exact = micro_step_flops(draft.cfg, T, [T], 3)  # what MFU counts: visible keys only
+    exact = micro_step_flops(draft.cfg, T, [T], 3, unroll=unroll)  # MFU: visible keys only
     assert exact.attention < expected.attention and exact.fc == expected.fc
 
 
@@ -292,7 +293,7 @@ def test_flop_count_at_kimi_dimensions_counts_fc_once_per_row():
     cfg = DraftConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
                       head_dim=128, intermediate_size=18432, vocab_size=163840,
                       draft_vocab_size=32000, target_hidden_size=7168)
-    f = micro_step_flops(cfg, 4096, [4096], 7)
+    f = micro_step_flops(cfg, 4096, [4096], 7, unroll="per-step")
     per_token = f.train / 4096
     # 7 steps x 3 x 2.0734 GF of GEMMs, fc 2 x 0.308 GF, teacher 0.459 GF, causal attention
     gemm = 2 * (14336 * 24576 + 8192 * 7168 + 3 * 7168 * 18432 + 7168 * 32000)
@@ -300,3 +301,7 @@ def test_flop_count_at_kimi_dimensions_counts_fc_once_per_row():
     assert per_token == pytest.approx(21 * gemm + 3 * attn + 2 * 2 * 21504 * 7168
                                       + 2 * 7168 * 32000)
     assert 45e9 < per_token < 47e9
+    # shared: the embedding half of q/k/v (7168 of the 14336 input columns) once, not 7 times
+    shared = micro_step_flops(cfg, 4096, [4096], 7).train / 4096
+    assert per_token - shared == pytest.approx(6 * 3 * 2 * 7168 * 24576)
+    assert 0.13 < 1 - shared / per_token < 0.14
