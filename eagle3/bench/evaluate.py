@@ -33,7 +33,8 @@ from typing import Protocol
 
 import torch
 
-from eagle3.draft.model import Eagle3Draft, StepCache
+from eagle3.draft.attention import StepCache
+from eagle3.draft.model import Eagle3Draft
 
 
 class Target(Protocol):

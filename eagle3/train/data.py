@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from eagle3.core import hidden_states as hs
-from eagle3.draft.model import FLEX_BLOCK
+from eagle3.draft.attention import FLEX_BLOCK
 
 log = logging.getLogger(__name__)
 

@@ -94,11 +94,12 @@ class TrainConfig(UpstreamStageFlags):
                                     "keys concatenated (the same logits; for comparison)",
                           choices=list(UNROLLS))
     fp8_gemm: str = arg("off", "the draft's linear layers but lm_head train with FP8 GEMMs "
-                               "(e4m3, per-row scales; eagle3/train/fp8.py); experimental: the "
-                               "step ran 1.27x the bf16 one on an H200, but the GPU run that "
-                               "measured it trained on stale weight copies (fixed since, not yet "
-                               "re-measured there: BENCHMARKS.md); auto = on for CUDA GPUs with "
-                               "FP8, off on CPU; eval and the exported draft stay bf16",
+                               "(e4m3, per-row scales; eagle3/train/fp8.py); experimental: its "
+                               "only H200 run (1.27x the per-step bf16 step) trained on stale "
+                               "weight copies, fixed since, not re-measured there, and its "
+                               "effect on acceptance is unmeasured (BENCHMARKS.md); auto = on "
+                               "for CUDA GPUs with FP8, off on CPU; eval and the exported draft "
+                               "stay bf16",
                         choices=list(FP8_MODES))
     tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
     sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "

@@ -12,7 +12,7 @@ t+1+k lies outside t's sequence. Step k's mean loss is scaled by `step_weight **
 Two unrolls compute the same logits (tests/draft/test_draft_model.py holds both to a float64
 serving reference): `shared` (the default) computes the embedding half of the attention's input
 projections once per batch and, with flex attention, attends over step 0's keys alone with the
-later steps' keys merged in by log-sum-exp (eagle3/draft/model.py); `per-step` computes every
+later steps' keys merged in by log-sum-exp (eagle3/draft/attention.py); `per-step` computes every
 step's projections in full and attends over all steps' keys concatenated. At Kimi-K2.5 draft size
 `shared` does 14% fewer FLOPs per token (eagle3/train/flops.py) and steps faster (BENCHMARKS.md,
 "Training step").
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.draft.model import Eagle3Draft, StepCache, TTTMasks
+from eagle3.draft.attention import StepCache, TTTMasks
+from eagle3.draft.model import Eagle3Draft
 from eagle3.train.teacher import TailBucketCE, teacher_targets
 
 ATTENTION = ("naive", "flex")

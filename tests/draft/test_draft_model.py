@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from eagle3.draft.model import FLEX_BLOCK, Eagle3Draft, StepCache, TTTMasks
+from eagle3.draft.attention import FLEX_BLOCK, StepCache, TTTMasks
+from eagle3.draft.model import Eagle3Draft
 from eagle3.train.ttt import SoftCrossEntropy, TTTModel
 
 from draft_helpers import (ChainReference, assert_unroll_matches, llama_draft, masked_math_flex,

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from eagle3.draft.mla import mla_draft_config, read_mla_dims
-from eagle3.draft.model import FLEX_BLOCK, DraftConfig
+from eagle3.draft.attention import FLEX_BLOCK
+from eagle3.draft.model import DraftConfig
 from eagle3.train.ttt import TTTModel
 
 from draft_helpers import (H, HEADS, KVL, NOPE, ROPE, V, VD, VT, ChainReference,

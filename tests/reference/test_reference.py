@@ -159,7 +159,7 @@ def _tiny_draft(target_model, draft_vocab: int = 100):
 
 def test_final_state_proposer_feeds_the_final_state_without_fc_or_d2t(tiny_target_dir,
                                                                       target_model):
-    from eagle3.draft.model import StepCache
+    from eagle3.draft.attention import StepCache
     from eagle3.bench.evaluate import TargetRunner
     from eagle3.core.target import load_embedding
 

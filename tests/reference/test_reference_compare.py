@@ -99,7 +99,22 @@ def test_compare_phase3_trains_and_evaluates_only_the_compared_drafts_in_profile
     assert tasks == ["extract fp8_all", "extract topk", "extract fp8",
                      *[f"train {n}" for n in order]]
     assert evals == ["main", *order]  # no controls, 05 t1, checkpoints or data sizes
-    assert set(evals) == set(COMPARE_ROWS)
+    assert set(evals) == set(COMPARE_ROWS) - {"perstep"}  # issue 18's row: h200-unroll
+
+
+def test_unroll_phase3_trains_main_alone_beside_the_per_step_draft_on_its_states(
+        tmp_path, monkeypatch):
+    from reference.stages import StageRunner
+    from reference.steps import PhaseSteps
+
+    tasks, evals = _planned(tmp_path, monkeypatch, "h200-unroll")
+    assert tasks == ["train perstep"] and evals == ["main", "perstep"]
+    steps = PhaseSteps(tmp_path, "h200-unroll", PROFILES["h200-unroll"],
+                       StageRunner(tmp_path / "r"), 1e12)
+    main, perstep = steps.train_args(steps.main), steps.same_states_args("perstep")
+    assert "--ttt-unroll" not in main  # main trains with 04's default, the shared unroll
+    assert perstep[-2:] == ["--ttt-unroll", "per-step"]
+    assert perstep[:-2] == main  # otherwise the same 04 flags (both read main's states)
 
 
 def test_h200_phase3_keeps_its_controls_t1_and_sizes_before_and_after_the_drafts(
