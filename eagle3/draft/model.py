@@ -38,6 +38,7 @@ from torch import nn
 
 from eagle3.draft.attention import (StepCache, flex_ttt_attention, merged_flex_attention,
                                     naive_ttt_attention, store)
+
 DRAFT_ARCHS = ("llama", "mla")
 
 
