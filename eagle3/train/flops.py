@@ -77,6 +77,8 @@ def micro_step_flops(cfg: DraftConfig, rows: int, seq_lengths: list[int], steps:
         context = sum(n * (n + 1) // 2 for n in seq_lengths)  # causal keys, summed over queries
         queries = sum(seq_lengths)
         attention = sum(pair * (context + s * queries) for s in range(steps))
+    if unroll not in ("shared", "per-step"):  # eagle3/train/ttt.py UNROLLS
+        raise ValueError(f"unroll {unroll!r}: expected 'shared' or 'per-step'")
     layer = steps * rows * layer_gemm_flops_per_row(cfg)
     embed_half = 0
     if unroll == "shared":  # H of the 2H input columns: once per row, not once per step

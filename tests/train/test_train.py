@@ -305,3 +305,5 @@ def test_flop_count_at_kimi_dimensions_counts_fc_once_per_row():
     shared = micro_step_flops(cfg, 4096, [4096], 7).train / 4096
     assert per_token - shared == pytest.approx(6 * 3 * 2 * 7168 * 24576)
     assert 0.13 < 1 - shared / per_token < 0.14
+    with pytest.raises(ValueError, match="per-step"):
+        micro_step_flops(cfg, 4096, [4096], 7, unroll="perstep")
