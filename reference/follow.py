@@ -41,6 +41,7 @@ class FollowConfig:
     deadline_s: float = arg(1450.0, "the started run's time budget for optional work, seconds")
     wait_s: float = arg(560.0, "wait at most this long for the run to end")
     out: Path | None = arg(None, "copy the summary, raw JSON and console log here (default $OUT)")
+    gguf: Path | None = arg(None, "smollm2 profiles: the SmolLM2 GGUF file the started run reads")
     log_level: str = arg("INFO", "logging level")
 
 
@@ -63,7 +64,8 @@ def running(pid_file: Path) -> bool:
 def start(cfg: FollowConfig, p: dict[str, Path]) -> None:
     script = Path(__file__).resolve().parent / "run_reference.py"
     command = (f"{sys.executable} {script} --phase 1 2 3 --profile {cfg.profile} "
-               f"--workdir {cfg.workdir} --deadline-s {cfg.deadline_s}")
+               f"--workdir {cfg.workdir} --deadline-s {cfg.deadline_s}"
+               + (f" --gguf {cfg.gguf.resolve()}" if cfg.gguf else ""))
     cfg.workdir.parent.mkdir(parents=True, exist_ok=True)
     p["rc"].unlink(missing_ok=True)
     with open(p["log"], "ab") as log:

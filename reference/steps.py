@@ -31,6 +31,7 @@ from pathlib import Path
 
 from eagle3.core.records import count_jsonl
 from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
+from eagle3.smollm2 import target as smollm2_target
 from reference import build_corpus, train_target
 from reference.stages import StageRunner, linked_workdir, subset_workdir
 
@@ -78,8 +79,8 @@ class PhaseSteps:
     """Runs phases 1-3 of one reference run; `state` records done and skipped work."""
 
     def __init__(self, workdir: Path, profile_name: str, profile, runner: StageRunner,
-                 deadline: float):
-        self.root, self.profile = Path(workdir), profile
+                 deadline: float, gguf: Path | None = None):
+        self.root, self.profile, self.gguf = Path(workdir), profile, gguf
         self.runner, self.deadline = runner, deadline
         self.corpus, self.target = self.root / "corpus", self.root / "target"
         self.main = self.root / "main"
@@ -151,11 +152,18 @@ class PhaseSteps:
             f"python reference/build_corpus.py --out {self.corpus} {' '.join(profile.corpus)}",
             self.root)
         self.task("eval dtype", self.choose_eval_dtype)
-        self.runner.run_callable(
-            "target", lambda: train_target.main(["--corpus", str(self.corpus), "--out", str(t),
-                                                 "--device", profile.device, *profile.target]),
-            f"python reference/train_target.py --corpus {self.corpus} --out {t} --device "
-            f"{profile.device} {' '.join(profile.target)}", self.root)
+        if profile.target_source == "smollm2":
+            argv = ["--out", str(t), *(["--gguf", str(self.gguf)] if self.gguf else [])]
+            self.runner.run_callable(
+                "target", lambda: smollm2_target.main(argv),
+                f"python -m eagle3.smollm2.target {' '.join(argv)}", self.root)
+        else:
+            self.runner.run_callable(
+                "target", lambda: train_target.main(["--corpus", str(self.corpus), "--out",
+                                                     str(t), "--device", profile.device,
+                                                     *profile.target]),
+                f"python reference/train_target.py --corpus {self.corpus} --out {t} --device "
+                f"{profile.device} {' '.join(profile.target)}", self.root)
         r = self.runner
         r.run("01 main", "01", self.main, self.prepare_args("recipe_train.json"))
         r.run("01b main", "01b", self.main, self.generate_args())

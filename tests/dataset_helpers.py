@@ -159,3 +159,25 @@ def code_shipping_target(tiny_target_dir, folder):
     cfg["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}
     cfg_path.write_text(json.dumps(cfg))
     return folder
+
+
+# SmolLM2-135M-Instruct's chat template, as its GGUF ships it (eagle3/smollm2/target.py): ChatML
+# with a default system prompt; it renders message text only (no tools, no tool calls).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def chatml_target(tiny_target_dir, folder):
+    """The tiny target with SmolLM2's ChatML template and special tokens: a target whose
+    template renders no tool declarations and no tool calls."""
+    import shutil
+
+    shutil.copytree(tiny_target_dir, folder)
+    tok = build_qwen_like_tokenizer()
+    tok.chat_template = SMOLLM2_TEMPLATE
+    tok.save_pretrained(folder)
+    return folder

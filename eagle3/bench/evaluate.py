@@ -89,6 +89,9 @@ class TargetRunner:
 class DecodeResult:
     output_ids: list[int]
     accept_lengths: list[int] = field(default_factory=list)  # per verify pass: accepted + 1
+    # per verify pass: tokens in context when it started (prompt + committed, the pending one
+    # included): the position of its first draft token
+    round_contexts: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -176,6 +179,7 @@ def speculative_chain(target: Target, proposer: Proposer, prompt: list[int], max
             logits, new_aux = target.forward([ids[-1]] + drafts)
             accepted, last = verify_sampled(target_probs(logits, temperature), q_SV, drafts,
                                             generator)
+        result.round_contexts.append(len(ids))
         ids += drafts[:accepted] + [last]
         aux = torch.cat([aux, new_aux[: accepted + 1]], dim=0)
         target.crop(len(ids) - 1)  # the target has processed every committed id but the last

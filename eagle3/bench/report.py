@@ -138,7 +138,21 @@ def _offline_markdown(results: dict) -> str:
                          f"({m.get('loop_free_verify_passes', '-')}) | {rates} | "
                          f"{m['tok_s']:.1f} | "
                          f"{r['baseline_tok_s']:.1f} | {m['speedup']:.2f} | {lossless} |")
-    return "\n".join(lines + ["", LOOPS]) + "\n"
+    return "\n".join(lines + _context_markdown(results) + ["", LOOPS]) + "\n"
+
+
+def _context_markdown(results: dict) -> list[str]:
+    """Acceptance length per bucket of context length at the round's start (hf backend)."""
+    lines = ["", "Acceptance by context position (tokens in context when the verify round "
+             "started: prompt plus tokens generated so far; eagle3/bench/context.py):", "",
+             "| prompt set | steps | context tokens | acceptance length | verify rounds |",
+             "|---|---|---|---|---|"]
+    for name, r in results["prompt_sets"].items():
+        for s, m in r["steps"].items():
+            for b in m.get("acceptance_by_context", []):
+                lines.append(f"| {name} | {s} | {b['from']}-{b['to'] - 1} | "
+                             f"{b['acceptance_length']:.3f} | {b['verify_passes']} |")
+    return lines
 
 
 def summary_rows(results: dict) -> tuple[dict, dict, bool]:

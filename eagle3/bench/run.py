@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import torch
 
+from eagle3.bench.context import acceptance_by_context
 from eagle3.bench.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
                              speculative_decode)
 from eagle3.bench.loops import loop_stats, loop_summary
@@ -122,6 +123,8 @@ def offline_summary(results, baseline_outputs: list[list[int]], steps: int,
         "lossless_mismatches": mismatches,
         **loop_summary([r.output_ids for r in results], [r.accept_lengths for r in results],
                        eos),
+        "acceptance_by_context": acceptance_by_context([r.accept_lengths for r in results],
+                                                       [r.round_contexts for r in results]),
     }
 
 

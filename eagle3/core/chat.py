@@ -105,6 +105,43 @@ class ChatRenderer:
                 return f"tool {k} declaration holds {hit.group()!r}"
         return None
 
+    def unrendered_tool_use(self, messages: list[dict], tools: list | None = None) -> str | None:
+        """Where a conversation uses tools that this template drops from its text (SmolLM2's
+        ChatML template renders neither tool declarations nor assistant tool calls), else None.
+
+        Training on such a rendering would supervise an assistant turn without the call it made
+        (or a prompt without the tools it was given): the record is refused instead.
+        """
+        declares, calls = self._tool_support()
+        if tools and not declares:
+            return "the target's chat template renders no tool declarations"
+        if not calls and any(m.get("tool_calls") for m in messages):
+            return "the target's chat template renders no assistant tool calls"
+        return None
+
+    def _tool_support(self) -> tuple[bool, bool]:
+        """(renders tool declarations, renders assistant tool calls), probed once by rendering
+        a made-up tool and call and looking for the tool's name and the call's arguments in
+        the text (Kimi's template writes a call by its id and arguments, not its name)."""
+        if not hasattr(self, "_tool_probe"):
+            name, value = "probe_tool_4f1c", "probe_value_9d2e"
+            tool = {"type": "function", "function": {
+                "name": name, "description": "probe", "parameters": {
+                    "type": "object", "properties": {"q": {"type": "string"}}}}}
+            call = {"id": "call_0", "type": "function",
+                    "function": {"name": name, "arguments": json.dumps({"q": value})}}
+            msgs = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]}]
+            self._tool_probe = (self._renders(msgs[:1], [tool], name),
+                                self._renders(msgs, [tool], value))
+        return self._tool_probe
+
+    def _renders(self, messages: list[dict], tools: list, needle: str) -> bool:
+        try:
+            return needle in self.render_text(messages, tools, add_generation_prompt=False)
+        except RenderError:
+            return False
+
     # ------------------------------------------------------------ rendering primitives
 
     def render_text(self, messages: list[dict], tools: list | None,

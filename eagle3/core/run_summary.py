@@ -15,7 +15,21 @@ from eagle3.core.stage import STAGE_DIRS, read_manifest
 STAGES = tuple(STAGE_DIRS.values())  # in pipeline order
 
 
-def _outputs(stage: str, m: dict) -> str:
+def _first_eval(metrics: Path) -> dict | None:
+    """04's evaluation at step 0 (the draft as initialised), from its metrics log."""
+    if not metrics.is_file():
+        return None
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line of a killed run
+            continue
+        if row.get("step") == 0 and "eval_sim_accept" in row:
+            return row
+    return None
+
+
+def _outputs(stage: str, m: dict, workdir: Path) -> str:
     out = m.get("outputs", {})
     if stage in (STAGE_DIRS["01"], STAGE_DIRS["01b"]):
         return ", ".join(f"{k}: {v['records']}" for k, v in out.get("datasets", {}).items())
@@ -26,10 +40,13 @@ def _outputs(stage: str, m: dict) -> str:
     if stage == STAGE_DIRS["03"]:
         return f"draft vocab {out.get('draft_vocab')}, coverage {out.get('coverage', 0):.3f}"
     if stage == STAGE_DIRS["04"]:
+        first = _first_eval(workdir / stage / "metrics.jsonl")
+        untrained = ("" if first is None else
+                     f"; the untrained draft (step 0): {_num(first.get('eval_sim_accept'))}")
         return (f"{out.get('num_steps')} steps, eval acceptance estimate "
                 f"{_num(out.get('eval_sim_accept'))} (loop share "
                 f"{_num(out.get('eval_loop_share'), '.0%')}, loop-free "
-                f"{_num(out.get('eval_sim_accept_loop_free'))})")
+                f"{_num(out.get('eval_sim_accept_loop_free'))}{untrained})")
     if stage == STAGE_DIRS["05"]:
         loops = out.get("loops", {})
         return ", ".join(
@@ -52,7 +69,7 @@ def summary_table(workdir: Path) -> str:
             rows.append((stage, "no", "-", "-", "-"))
             continue
         rows.append((stage, "yes" if m.get("complete") else "no", f"{m.get('seconds', 0):.1f}",
-                     human_bytes(m.get("disk_bytes", 0)), _outputs(stage, m)))
+                     human_bytes(m.get("disk_bytes", 0)), _outputs(stage, m, Path(workdir))))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])

@@ -101,6 +101,8 @@ def prepare_row(key: str, payload, spec: DatasetSpec, ctx: RowContext) -> Outcom
         hit = ctx.renderer.special_text_in(conv["messages"], conv.get("tools"))
         if hit:
             raise RecordError(f"special token in text: {hit}")
+        if unrendered := ctx.renderer.unrendered_tool_use(conv["messages"], conv.get("tools")):
+            raise RecordError(f"tool use: {unrendered}")
         if spec.mode == "keep":
             _render_kept(conv, spec, ctx, out)
         else:

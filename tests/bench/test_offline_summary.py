@@ -10,8 +10,10 @@ import torch
 from eagle3.bench.run import offline_summary, sampling_generator
 
 
-def _result(output_ids, accept_lengths, seconds=1.0):
-    return SimpleNamespace(output_ids=output_ids, accept_lengths=accept_lengths, seconds=seconds)
+def _result(output_ids, accept_lengths, seconds=1.0, round_contexts=None):
+    contexts = round_contexts or [10 + i for i in range(len(accept_lengths))]
+    return SimpleNamespace(output_ids=output_ids, accept_lengths=accept_lengths, seconds=seconds,
+                           round_contexts=contexts)
 
 
 def test_offline_summary_counts_tokens_per_verify_round_and_greedy_mismatches():

@@ -13,6 +13,7 @@ import random
 
 import pytest
 from dataset_helpers import (
+    SMOLLM2_TEMPLATE,
     build_metaspace_tokenizer,
     build_qwen_like_tokenizer,
     fixture_conversations,
@@ -321,3 +322,31 @@ def test_every_supervised_turn_carries_its_reasoning_and_content_when_rendering_
                     assert turn.endswith("<|im_end|>") and all(s.loss_mask[start:stop])
                     checked += bool(m.get("reasoning_content"))
     assert checked >= 4  # openthoughts, nemotron, llama-nemotron, opencodereasoning
+
+
+def _tool_conversation():
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "12 C"},
+                {"role": "assistant", "content": "It is 12 C."}]
+    return messages, tools
+
+
+def test_unrendered_tool_use_names_what_a_chatml_template_drops():
+    tok = build_qwen_like_tokenizer()
+    tok.chat_template = SMOLLM2_TEMPLATE
+    smol = ChatRenderer(tok)
+    messages, tools = _tool_conversation()
+    assert "tool declarations" in smol.unrendered_tool_use(messages, tools)
+    assert "tool calls" in smol.unrendered_tool_use(messages, None)
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert smol.unrendered_tool_use(plain, None) is None
+
+
+def test_unrendered_tool_use_is_none_when_the_template_renders_tools(kimi, qwen):
+    messages, tools = _tool_conversation()
+    assert kimi.unrendered_tool_use(messages, tools) is None
+    assert qwen.unrendered_tool_use(messages, tools) is None

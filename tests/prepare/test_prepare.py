@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
-from dataset_helpers import FIXTURE_DIR
+from dataset_helpers import FIXTURE_DIR, chatml_target
 from stage_helpers import assert_same_folder
 
 from eagle3.core.chat import ChatRenderer, split_for_generation
@@ -330,3 +330,18 @@ def test_shipped_recipes_load_and_the_kimi_mix_is_about_ten_sources_of_100k(tmp_
         assert {"name", "adapter", "count"} <= set(entry)
     assert all(s.max_seq_len >= 8192 and s.regenerate for s in mix.datasets)
     assert not (ROOT / "datasets" / "__init__.py").exists()
+
+
+def test_prepare_quarantines_tool_use_when_the_target_template_cannot_render_it(
+        tmp_path, tiny_target_dir):
+    """A target without tool-call tokens (SmolLM2's ChatML template): records with tools or
+    tool calls are quarantined with the reason; plain chats pass."""
+    target = chatml_target(tiny_target_dir, tmp_path / "target")
+    recipe = ROOT / "datasets" / "demo.json"
+    assert run(tmp_path, recipe, target) == 0
+    out = tmp_path / "w" / "01_prepared"
+    bad = read_jsonl(out / "tools_demo" / "quarantine.jsonl")
+    assert bad and all(b["reason"].startswith("tool use: the target's chat template renders no")
+                       for b in bad)
+    assert not (out / "tools_demo" / "conversations.jsonl").read_text().strip()
+    assert read_jsonl(out / "sharegpt_demo" / "conversations.jsonl")
