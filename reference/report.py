@@ -119,6 +119,12 @@ def collect(workdir: Path, profile: str) -> dict:
             results = _read(Path(record["workdir"]) / STAGE_DIRS["05"] / "results.json") or {}
             record["peak_gpu_bytes"] = results.get("peak_gpu_bytes")
     target = (_read(w / "target" / "reference_target.json") or {}).get("summary")
+    converted = _read(w / "target" / "manifest.json")  # eagle3/smollm2/target.py writes it
+    if target is None and converted is not None:
+        config = _read(w / "target" / "config.json") or {}
+        target = {"converted": converted, "architectures": config.get("architectures"),
+                  "num_hidden_layers": config.get("num_hidden_layers"),
+                  "hidden_size": config.get("hidden_size"), "vocab_size": config.get("vocab_size")}
     sweeps = {p.stem[len("eval_"):]: _strip_ids(_read(p))
               for p in sorted((res / "evals").glob("eval_*.json"))}
     baselines = {p.stem: _strip_ids(_read(p)) for p in sorted((res / "evals").glob("baseline_*.json"))}
@@ -160,12 +166,20 @@ def _target_md(s: dict) -> list[str]:
     p = t.get("parameters") or {}
     c = s.get("corpus") or {}
     env = s["environment"]
-    return [f"Environment: {env['device']}, python {env['python']}, torch {env['torch']}, "
+    head = [f"Environment: {env['device']}, python {env['python']}, torch {env['torch']}, "
             f"transformers {env['transformers']} (profile `{s['profile']}`).", "",
             f"Corpus: {c.get('files_train')} train / {c.get('files_heldout')} held-out stdlib "
             f"files (python {c.get('python')}), {c.get('samples_train')} train samples, "
             f"{c.get('samples_pipeline')} handed to 01, {c.get('samples_heldout')} held-out "
-            "prompts.", "",
+            "prompts.", ""]
+    if "converted" in t:  # a pretrained model, not trained here
+        m = t["converted"]
+        return head + [f"Target: {m.get('model')} ({', '.join(t.get('architectures') or [])}, "
+                       f"{t.get('num_hidden_layers')} layers, hidden {t.get('hidden_size')}, "
+                       f"vocab {t.get('vocab_size')}), pretrained: converted from "
+                       f"{m.get('gguf')} of {m.get('package')} (sha256 "
+                       f"{m.get('gguf_sha256', '')[:16]}...), not trained here.", ""]
+    return head + [
             f"Target: DeepseekV3ForCausalLM, {t.get('shape', {}).get('num_hidden_layers')} "
             f"layers, {_f(p.get('total'), '{:,}')} parameters "
             f"({_f(p.get('active_per_token'), '{:,}')} active per token without the embedding), "

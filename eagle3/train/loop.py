@@ -238,7 +238,7 @@ def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainC
                                        return_logits=True)
         stats += s
         estimate.add(model.draft, steps_logits, batch["input_ids"], batch["loss_mask"],
-                     batch["doc_ids"], batch["final"])
+                     batch["doc_ids"], batch["final"], batch.get("target_top"))
     model.train()
     m = stats_dict(distributed.all_reduce_sum(stats), cfg.ttt_steps)
     sums = distributed.all_reduce_sum(estimate.sums.to(rt.device)).cpu()

@@ -144,6 +144,16 @@ def test_estimate_equals_the_evaluators_acceptance_when_records_are_greedy_conti
             estimate.add(draft, logits, row["input_ids"], row["loss_mask"], row["doc_ids"],
                          row["final"])
     sim = AcceptanceEstimate.result(estimate.sums)
+    # fp8-topk rows store the target's argmax instead of the final state (zero in the row):
+    # the estimate must read it and come out the same.
+    topk_estimate = AcceptanceEstimate(lm_head, draft.t2d, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        for row in rows:
+            logits = model.unroll(row["input_ids"], row["doc_ids"], row["positions"], row["aux"])
+            top = (row["final"] @ lm_head.T).argmax(-1)
+            topk_estimate.add(draft, logits, row["input_ids"], row["loss_mask"], row["doc_ids"],
+                              torch.zeros_like(row["final"]), top)
+    assert torch.equal(topk_estimate.sums, estimate.sums)
 
     proposer = Eagle3Proposer(draft, embed)
     runs = [speculative_decode(target_model, proposer, p, MAX_NEW, set(), steps, CAPTURE)
