@@ -220,6 +220,14 @@ class Stage:
         return manifest
 
 
+@dataclass
+class StageResult:
+    """What a stage's `run` hands back to its script: the summary table's rows, the exit code."""
+
+    rows: dict
+    exit_code: int = 0
+
+
 def open_stage(workdir: Path, folder: str, args: dict, force: bool = False) -> Stage | None:
     """Start a stage in `<workdir>/<folder>`; None when it is already complete (no-op).
 

@@ -44,22 +44,17 @@ from pathlib import Path
 import aiohttp
 
 from eagle3.core import hidden_states as hs
-from eagle3.extract import sglang_dump
-from eagle3.extract.writer import (
-    FAILURES_FILE,
-    ExtractCounts,
-    ExtractError,
-    ExtractProgress,
-    FailureLog,
-    SplitWriter,
-    check_disk,
-    record_meta,
-)
 from eagle3.core.preflight import raise_on_errors
-from eagle3.extract.dump_server import check_dump_server
 from eagle3.core.progress import human_bytes
 from eagle3.core.server import (MODEL_INFO_PATHS, RetryPolicy, ServerError, generate, get_json,
                                 get_server_info, wait_ready)
+from eagle3.core.target import TargetInfo
+from eagle3.extract import hf, sglang_dump
+from eagle3.extract.config import ExtractConfig
+from eagle3.extract.dump_server import check_dump_server
+from eagle3.extract.teacher import maybe_teacher
+from eagle3.extract.writer import (FAILURES_FILE, ExtractCounts, ExtractError, ExtractProgress,
+                                   FailureLog, SplitWriter, check_disk, record_meta)
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +69,9 @@ class SampleError(Exception):
 
 
 @dataclass
-class SglangOptions:
-    """How the client talks to the dump server: 02b's flags of the same names, resolved (their
-    defaults live in 02b's ExtractConfig), plus two settings that are not flags."""
+class ClientTuning:
+    """Client settings that are not flags (the tests shorten them)."""
 
-    server_url: str
-    dump_dir: Path  # the server's EAGLE3_DUMP_DIR, as seen from this machine
-    rid_prefix: str  # the server's EAGLE3_DUMP_RID_PREFIX
-    concurrency: int  # requests in flight; 0 = from the server's prefill token budget
-    workers: int  # threads loading dumps and writing files
-    max_attempts: int  # attempts per record before it goes to failures.jsonl
-    max_failures: int  # stop when more records than this failed (-1 = never)
-    dump_wait_s: float  # how long a dump may lag behind its answer
-    server_wait_s: float  # how long to wait for a server that went down
     poll_s: float = 5.0  # readiness polling while waiting for the server
     # Per-request HTTP retries; a prefill-only request that takes 10 minutes is a hung server.
     retry: RetryPolicy = field(
@@ -102,17 +87,30 @@ class Expected:
     target: Path
 
 
-async def extract_sglang(opts: SglangOptions, expected: Expected, dtype: str,
-                         writers: dict[str, SplitWriter], verify_n: int = 0,
-                         verify: Callable | None = None, teacher=None) -> tuple[dict, dict]:
+def extract(cfg: ExtractConfig, writers: dict[str, SplitWriter], layers: list[int],
+            info: TargetInfo, tuning: ClientTuning | None = None) -> tuple[dict, dict]:
+    """The backend's door: every split; returns (outputs per split, manifest extras)."""
+    verify, teacher = None, maybe_teacher(cfg)
+    if cfg.verify_against_hf:
+        verify = hf.make_verifier(hf.load_model(cfg), layers, cfg.verify_tolerance, teacher)
+    expected = Expected(info.hidden_size, tuple(layers), cfg.target)
+    return asyncio.run(extract_sglang(cfg, expected, writers, verify, teacher,
+                                      tuning or ClientTuning()))
+
+
+async def extract_sglang(cfg: ExtractConfig, expected: Expected, writers: dict[str, SplitWriter],
+                         verify: Callable | None = None, teacher=None,
+                         tuning: ClientTuning | None = None) -> tuple[dict, dict]:
     """Every split through the dump server; returns (outputs per split, manifest extras).
 
-    `verify(writer, idxs)`, when given, checks the first `verify_n` records of the first split
-    before the others are sent. `teacher`: the TeacherHead of `--dtype fp8-topk` (the client
-    turns each dump's final state into the stored teacher; eagle3/extract/teacher.py).
+    `verify(writer, idxs)`, when given, checks the first `--verify-against-hf` records of the
+    first split before the others are sent. `teacher`: the TeacherHead of `--dtype fp8-topk`
+    (the client turns each dump's final state into the stored teacher;
+    eagle3/extract/teacher.py).
     """
     outputs, extra = {}, {}
-    async with SglangExtractor(opts, expected, dtype, teacher) as client:
+    verify_n = cfg.verify_against_hf
+    async with SglangExtractor(cfg, expected, teacher, tuning) as client:
         info = await client.preflight(list(writers.values()))
         for k, (split, writer) in enumerate(writers.items()):
             prog = ExtractProgress(writer, f"02b {split}")
@@ -223,16 +221,19 @@ def check_dump_dir(dump_dir: Path, pending_lengths: list[int], hidden_size: int,
 class SglangExtractor:
     """One client session: preflight, then `run_split` for each split."""
 
-    def __init__(self, opts: SglangOptions, expected: Expected, dtype: str, teacher=None):
-        self.opts, self.expected, self.dtype, self.teacher = opts, expected, dtype, teacher
-        self.url = opts.server_url.rstrip("/")
-        self.concurrency = opts.concurrency
+    def __init__(self, cfg: ExtractConfig, expected: Expected, teacher=None,
+                 tuning: ClientTuning | None = None):
+        self.cfg, self.expected, self.teacher = cfg, expected, teacher
+        self.dtype = cfg.dtype
+        self.tuning = tuning or ClientTuning()
+        self.url = cfg.server_url.rstrip("/")
+        self.concurrency = cfg.concurrency
         self.restarts = 0
         self._any_success = False
 
     async def __aenter__(self) -> SglangExtractor:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.opts.workers, "02b-convert")
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.cfg.workers, "02b-convert")
         self._restart_lock = asyncio.Lock()
         return self
 
@@ -250,9 +251,9 @@ class SglangExtractor:
             log.info("concurrency %d: ~4 prefill batches of %s tokens in flight",
                      self.concurrency, info.get("max_prefill_tokens") or 16384)
         self._slots = asyncio.Semaphore(self.concurrency)
-        check_dump_dir(self.opts.dump_dir, lengths, self.expected.hidden_size,
-                       self.concurrency + 2 * self.opts.workers)
-        stale = clean_dump_dir(self.opts.dump_dir, self.opts.rid_prefix)
+        check_dump_dir(self.cfg.dump_dir, lengths, self.expected.hidden_size,
+                       self.concurrency + 2 * self.cfg.workers)
+        stale = clean_dump_dir(self.cfg.dump_dir, self.cfg.rid_prefix)
         if stale:
             log.info("removed %d dump files left by an earlier client", stale)
         return info
@@ -260,7 +261,7 @@ class SglangExtractor:
     async def run_split(self, writer: SplitWriter, prog: ExtractProgress, verify_n: int = 0,
                         verify: Callable | None = None) -> tuple[ExtractCounts, list | None]:
         """Extract every record of the split still without a file; verify the first ones."""
-        failures = FailureLog(writer.root / FAILURES_FILE, self.opts.max_failures)
+        failures = FailureLog(writer.root / FAILURES_FILE, self.cfg.max_failures)
         pending = writer.pending()
         head = [i for i in pending if i < verify_n]
         try:
@@ -291,7 +292,7 @@ class SglangExtractor:
 
         # More tasks than request slots: the extra ones hold answered records whose dumps wait
         # for a conversion thread, so the server never idles behind the client.
-        n_tasks = min(len(idxs), self.concurrency + 2 * self.opts.workers)
+        n_tasks = min(len(idxs), self.concurrency + 2 * self.cfg.workers)
         tasks = [asyncio.create_task(worker()) for _ in range(n_tasks)]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -307,16 +308,16 @@ class SglangExtractor:
                        failures: FailureLog, probe: bool = False) -> None:
         rec = writer.records[idx]
         reasons = []
-        for attempt in range(self.opts.max_attempts):
-            rid = make_rid(self.opts.rid_prefix, rec["id"], attempt)
-            dump = sglang_dump.dump_file_path(self.opts.dump_dir, rid)
+        for attempt in range(self.cfg.max_attempts):
+            rid = make_rid(self.cfg.rid_prefix, rec["id"], attempt)
+            dump = sglang_dump.dump_file_path(self.cfg.dump_dir, rid)
             dump.unlink(missing_ok=True)
             try:
                 nbytes = await self._attempt(rid, dump, rec, writer.path(idx))
             except SampleError as e:
                 reasons.append(str(e))
                 log.warning("record %s (attempt %d/%d): %s", rec["id"], attempt + 1,
-                            self.opts.max_attempts, e)
+                            self.cfg.max_attempts, e)
                 continue
             finally:
                 dump.unlink(missing_ok=True)
@@ -332,12 +333,12 @@ class SglangExtractor:
         ids = rec["input_ids"]
         answer = await self._send(rid, ids)
         check_answer(answer, rid, len(ids))
-        deadline = time.monotonic() + self.opts.dump_wait_s
+        deadline = time.monotonic() + self.cfg.dump_wait_s
         delay = 0.005
         while not dump.exists():  # written before the answer; a network file system may lag
             if time.monotonic() > deadline:
-                free = shutil.disk_usage(self.opts.dump_dir).free
-                raise SampleError(f"missing dump: no {dump} {self.opts.dump_wait_s:.0f}s after "
+                free = shutil.disk_usage(self.cfg.dump_dir).free
+                raise SampleError(f"missing dump: no {dump} {self.cfg.dump_wait_s:.0f}s after "
                                   f"the answer ({human_bytes(free)} free in the dump directory)")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -352,12 +353,12 @@ class SglangExtractor:
             try:
                 async with self._slots:
                     return await generate(self._session, self.url, ids, rid,
-                                          {"max_new_tokens": 1}, self.opts.retry)
+                                          {"max_new_tokens": 1}, self.tuning.retry)
             except ServerError as e:
                 if await self._is_up():
                     raise SampleError(f"server error: {e}"[:500]) from e
                 downs += 1
-                if downs > self.opts.max_attempts:
+                if downs > self.cfg.max_attempts:
                     raise SampleError(f"server down {downs} times during this request") from e
                 await self._wait_for_server()
 
@@ -374,13 +375,13 @@ class SglangExtractor:
                 return
             t0 = time.monotonic()
             log.warning("server %s is not answering; waiting up to %.0fs for it to come back",
-                        self.url, self.opts.server_wait_s)
+                        self.url, self.cfg.server_wait_s)
             try:
-                await wait_ready(self._session, self.url, timeout_s=self.opts.server_wait_s,
-                                 poll_s=self.opts.poll_s, request_timeout_s=30.0)
+                await wait_ready(self._session, self.url, timeout_s=self.cfg.server_wait_s,
+                                 poll_s=self.tuning.poll_s, request_timeout_s=30.0)
             except ServerError:
                 raise ExtractError(f"server {self.url} did not come back within "
-                                   f"{self.opts.server_wait_s:.0f}s; restart it and re-run "
+                                   f"{self.cfg.server_wait_s:.0f}s; restart it and re-run "
                                    "this command (the stage resumes)") from None
             info = await get_server_info(self._session, self.url)
             raise_on_errors(check_dump_server(info), f"restarted dump server {self.url}")
@@ -392,8 +393,8 @@ class SglangExtractor:
         return (
             f"the first request (record {rec['id']}) produced no dump: {reason}. Check that the "
             "server runs a patched SGLang (python -m eagle3.extract.patching --check); was started with "
-            f"EAGLE3_DUMP_DIR={self.opts.dump_dir} (--dump-dir, same machine) and "
-            f"EAGLE3_DUMP_RID_PREFIX unset or {self.opts.rid_prefix!r} (--rid-prefix); and runs "
+            f"EAGLE3_DUMP_DIR={self.cfg.dump_dir} (--dump-dir, same machine) and "
+            f"EAGLE3_DUMP_RID_PREFIX unset or {self.cfg.rid_prefix!r} (--rid-prefix); and runs "
             "no prefill CUDA graph (--disable-piecewise-cuda-graph on SGLang <= 0.5.13, "
             "--cuda-graph-backend-prefill disabled later). The server log says why a pass was "
             "skipped (lines with 'eagle3 dump')")

@@ -18,10 +18,11 @@ from extract_helpers import (
     write_merged,
 )
 
-from eagle3.extract import writer as extract
 from eagle3.core import hidden_states as hs
-from eagle3.extract.writer import ExtractError, SplitWriter, check_output_disk, fixed_batches
 from eagle3.core.records import read_jsonl
+from eagle3.extract import writer as extract
+from eagle3.extract.hf import fixed_batches
+from eagle3.extract.writer import ExtractError, SplitWriter, check_output_disk
 
 
 def _hf(workdir: Path, target: Path, *extra: str) -> int:
