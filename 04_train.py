@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from eagle3.train import distributed
 from eagle3.core.cli import config_dict, parse_config, setup_logging
+from eagle3.core.hidden_states import read_capture_layers
 from eagle3.train.data import check_teacher_vocab, index_files, list_files
 from eagle3.draft.export import export_sglang
 from eagle3.draft.layers import describe_layers, layer_ids_for
@@ -67,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     dist_info = distributed.env_dist_info()  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK
     setup_logging(cfg.log_level if dist_info.is_main else "WARNING")
     device = distributed.init(dist_info, cfg.device)
-    hs_manifest = require_upstream(cfg.workdir / STAGE_DIRS["02b"], cfg.allow_partial) or {}
+    require_upstream(cfg.workdir / STAGE_DIRS["02b"], cfg.allow_partial)
     require_upstream(cfg.workdir / STAGE_DIRS["03"], cfg.allow_partial)
-    capture_layers = hs_manifest.get("capture_layers")
+    capture_layers = read_capture_layers(cfg.workdir)
     if not capture_layers:
         raise SystemExit("02b_hidden_states/manifest.json names no capture_layers: re-run 02b")
     layer_ids_for(capture_layers, cfg.sglang_version)  # refuse an unservable layout up front

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from eagle3.core.hidden_states import read_capture_layers
 from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
 from reference.parallel import JobPool
 from reference.stages import ROOT, SCRIPTS, export_checkpoint
@@ -259,7 +260,7 @@ def run_controls(phases, results: list[dict]) -> None:
     ref_gain = ref["steps"]["3"]["acceptance_length"] - 1
     final = phases.main / STAGE_DIRS["04"] / "final"
     info = read_target_info(phases.target)
-    captures = read_manifest(phases.main / STAGE_DIRS["02b"])["capture_layers"]
+    captures = read_capture_layers(phases.main)
     detection = {"final_state": detect_eagle_mistake(final),
                  "shifted_layers": detect_shifted_layers(final, captures, info.hidden_size,
                                                          info.vocab_size, phases.root / "controls")}

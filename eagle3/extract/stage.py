@@ -9,17 +9,15 @@ output writer (`eagle3/extract/writer.py`): adding a backend is one module and o
 from __future__ import annotations
 
 import time
-from pathlib import Path
-
 from eagle3.core.hidden_states import bytes_per_token
 from eagle3.core.records import read_jsonl
-from eagle3.core.stage import STAGE_DIRS, Stage, StageResult, read_manifest, require_upstream
+from eagle3.core.stage import STAGE_DIRS, Stage, StageResult, require_upstream
 from eagle3.core.target import TargetInfo, default_capture_layers, read_target_info
 from eagle3.extract import hf, sglang
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.writer import SplitWriter, check_output_disk, summary_rows
 
-__all__ = ["BACKENDS", "ExtractConfig", "STAGE", "check_inputs", "read_capture_layers", "run"]
+__all__ = ["BACKENDS", "ExtractConfig", "STAGE", "check_inputs", "run"]
 
 STAGE = STAGE_DIRS["02b"]
 UPSTREAM = STAGE_DIRS["merge"]
@@ -59,11 +57,3 @@ def run(cfg: ExtractConfig, stage: Stage) -> StageResult:
     rows["manifest"] = f"{stage.dir / 'manifest.json'} ({manifest['disk_bytes']:,} B)"
     return StageResult(rows)
 
-
-def read_capture_layers(workdir: Path) -> list[int] | None:
-    """The capture layers 02b wrote into `<workdir>/02b_hidden_states/manifest.json` (None
-    without that manifest): the one reader of that key."""
-    manifest = read_manifest(Path(workdir) / STAGE)
-    if manifest is None:
-        return None
-    return list(manifest["capture_layers"])

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench_fake_server import FakeBenchServer, fake_output_ids, verify_count
-from eagle3.bench.run import (LoadSettings, RequestRecord, combine, measure_server,
-                              merge_stream_ids, percentile, summarize_level)
+from eagle3.bench.measure import (LoadSettings, RequestRecord, combine, percentile,
+                                  summarize_level)
+from eagle3.bench.sglang import measure_server, merge_stream_ids
 from eagle3.bench.report import report_markdown
 from eagle3.core.launcher import LaunchedServer, LaunchError, sglang_command
 from eagle3.core.preflight import PreflightError

@@ -229,7 +229,8 @@ def test_run_killed_twice_resumes_to_the_folder_of_an_uninterrupted_run(tiny_dat
 def test_demo_training_lowers_the_loss_and_raises_acceptance_above_an_untrained_draft(
         demo_run, demo_target_model, tokenizer):
     target_model = demo_target_model
-    from eagle3.bench.run import PromptSet, run_offline
+    from eagle3.bench.hf import run_offline
+    from eagle3.bench.prompts import PromptSet
     from eagle3.draft.export import load_draft
     from eagle3.core.records import read_jsonl
     from eagle3.core.target import load_embedding
