@@ -30,6 +30,7 @@ from eagle3.train import distributed
 from eagle3.train.acceptance import AcceptanceEstimate
 from eagle3.train.checkpoint import check_data_position, load_latest, save_checkpoint, set_rng_state
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict
+from eagle3.core.presets import PRESETS, DraftShape, check_target, get_preset
 from eagle3.train.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan, list_files,
                          make_loader, pack_epoch, row_width)
 from eagle3.train.distributed import DistInfo
@@ -63,10 +64,10 @@ class TrainConfig(UpstreamStageFlags):
     warmup_steps: int = arg(-1, "linear warmup steps (-1 = 3%% of all steps)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(0.5, "gradient clipping norm")
-    num_attention_heads: int = arg(0, "draft heads (0 = the target's)")
-    num_key_value_heads: int = arg(0, "draft kv heads (0 = same as heads)")
-    head_dim: int = arg(0, "draft head dim (0 = hidden / heads)")
-    intermediate_size: int = arg(0, "draft MLP width (0 = the target's intermediate_size)")
+    preset: str = arg("", "named target whose draft shape to train (heads, KV heads, head dim, "
+                          "MLP; eagle3/core/presets.py); '' = from the target's config: its "
+                          "heads and MLP width, head dim = hidden / heads",
+                      choices=["", *PRESETS])
     draft_arch: str = arg("llama", "draft attention: llama (GQA, LlamaForCausalLMEagle3) or mla "
                                    "(the target's multi-latent attention sizes, "
                                    "Eagle3DeepseekV2ForCausalLM)", choices=["llama", "mla"])
@@ -131,14 +132,23 @@ def lr_at(step: int, num_steps: int, peak: float, warmup: int, min_ratio: float)
 # ---------------------------------------------------------------- assembly
 
 
+def draft_shape(cfg: TrainConfig, info) -> DraftShape:
+    """The draft's attention and MLP: the preset's (its target checked), else the target's."""
+    if cfg.preset:
+        check_target(cfg.preset, info.hidden_size, info.num_hidden_layers, info.vocab_size)
+        return get_preset(cfg.preset).draft
+    heads = info.num_attention_heads
+    return DraftShape(heads, heads, info.hidden_size // heads, info.intermediate_size)
+
+
 def build_draft_config(cfg: TrainConfig, info, draft_vocab: int, capture_layers) -> DraftConfig:
-    heads = cfg.num_attention_heads or info.num_attention_heads
+    shape = draft_shape(cfg, info)
     base = DraftConfig(
         hidden_size=info.hidden_size,  # serving reuses the target's embedding: same width
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.num_key_value_heads or heads,
-        head_dim=cfg.head_dim or info.hidden_size // heads,
-        intermediate_size=cfg.intermediate_size or info.intermediate_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
         vocab_size=info.vocab_size,
         draft_vocab_size=draft_vocab,
         target_hidden_size=info.hidden_size,
@@ -151,7 +161,7 @@ def build_draft_config(cfg: TrainConfig, info, draft_vocab: int, capture_layers)
     )
     # the MLA draft takes the target's own MLA sizes (Kimi-K2.5: kv 512, q 1536, rope 64, 64 heads)
     return base if cfg.draft_arch != "mla" else mla_draft_config(
-        base, read_mla_dims(cfg.target), cfg.num_attention_heads)
+        base, read_mla_dims(cfg.target), shape.num_attention_heads if cfg.preset else 0)
 
 
 def build_draft(dcfg: DraftConfig, seed: int, d2t, t2d) -> Eagle3Draft:

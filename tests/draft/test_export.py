@@ -6,6 +6,7 @@ import json
 
 from safetensors import safe_open
 
+from eagle3.core.presets import draft_fields
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.draft.export import CONFIG_KEYS, expected_tensors, export_sglang, load_draft
 
@@ -19,9 +20,7 @@ LOADER_KEYS = {"model_type", "hidden_act", "torch_dtype"}
 
 
 def _kimi_cfg(**kw) -> DraftConfig:
-    base = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
-                intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,
-                target_hidden_size=7168, capture_layers=[2, 30, 58])
+    base = draft_fields("kimi-k2.5")
     base.update(kw)
     return DraftConfig(**base)
 
