@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core.cli import StageFlags, arg, config_dict, parse_config, setup_logging
+from eagle3.core.progress import format_summary, human_bytes, human_seconds
+from eagle3.core.stage import STAGE_DIRS, open_stage
+from eagle3.core.target import TRUST_HELP, check_remote_code
+from eagle3.prepare.recipes import RecipeError, load_recipe
 from eagle3.prepare.rows import RenderMismatch
 from eagle3.prepare.runner import RenderSettings, open_run, run_prepare, source_warnings
-from eagle3.core.target import TRUST_HELP, check_remote_code
-from eagle3.core.progress import format_summary, human_bytes, human_seconds
-from eagle3.prepare.recipes import RecipeError, load_recipe
 from eagle3.prepare.sources import SourceError, describe, open_source
-from eagle3.core.stage import STAGE_DIRS, open_stage
 
 STAGE = STAGE_DIRS["01"]
 log = logging.getLogger("01_prepare_datasets")

@@ -36,6 +36,18 @@ from pathlib import Path
 
 from eagle3.core.chat import ChatRenderer, RenderError
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
+from eagle3.core.progress import format_summary, human_bytes, human_seconds, progress
+from eagle3.core.records import JsonlAppender, read_jsonl
+from eagle3.core.server import RetryPolicy, ServerError, ServerPool
+from eagle3.core.stage import (
+    STAGE_DIRS,
+    Quarantine,
+    atomic_write_json,
+    open_stage,
+    require_upstream,
+)
+from eagle3.core.target import TRUST_HELP, check_remote_code, load_hf_model, load_tokenizer
+from eagle3.generate.backends import OpenAIBackend, SGLangBackend
 from eagle3.generate.jobs import (
     HFGenerator,
     RecordSink,
@@ -45,14 +57,7 @@ from eagle3.generate.jobs import (
     tokenize_kept,
     write_in_job_order,
 )
-from eagle3.generate.backends import OpenAIBackend, SGLangBackend
 from eagle3.generate.runner import Interrupted, RunnerConfig, connect, run_remote
-from eagle3.core.progress import format_summary, human_bytes, human_seconds, progress
-from eagle3.core.records import JsonlAppender, read_jsonl
-from eagle3.core.server import RetryPolicy, ServerError, ServerPool
-from eagle3.core.stage import (STAGE_DIRS, Quarantine, atomic_write_json, open_stage,
-                               require_upstream)
-from eagle3.core.target import TRUST_HELP, check_remote_code, load_hf_model, load_tokenizer
 
 STAGE = STAGE_DIRS["01b"]
 UPSTREAM = STAGE_DIRS["01"]

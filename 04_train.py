@@ -24,19 +24,26 @@ import time
 
 from safetensors.torch import load_file
 
-from eagle3.train import distributed
 from eagle3.core.cli import config_dict, parse_config, setup_logging
 from eagle3.core.hidden_states import read_capture_layers
-from eagle3.train.data import check_teacher_vocab, index_files, list_files
-from eagle3.draft.export import export_sglang
-from eagle3.draft.layers import describe_layers, layer_ids_for
 from eagle3.core.progress import format_summary, human_seconds, progress
-from eagle3.draft.speculators import export_speculators
 from eagle3.core.stage import STAGE_DIRS, open_stage, read_manifest, require_upstream
 from eagle3.core.target import load_embedding, load_lm_head, read_target_info
-from eagle3.train.loop import (TrainConfig, TrainData, acceptance_note, build_draft,
-                               build_draft_config, build_runtime, train)
+from eagle3.draft.export import export_sglang
+from eagle3.draft.layers import describe_layers, layer_ids_for
+from eagle3.draft.speculators import export_speculators
+from eagle3.train import distributed
+from eagle3.train.data import check_teacher_vocab, index_files, list_files
 from eagle3.train.log import plot_metrics
+from eagle3.train.loop import (
+    TrainConfig,
+    TrainData,
+    acceptance_note,
+    build_draft,
+    build_draft_config,
+    build_runtime,
+    train,
+)
 from eagle3.vocab.mapping import hot_ids_from_d2t, vocab_sha256
 
 STAGE = STAGE_DIRS["04"]

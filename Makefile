@@ -1,8 +1,9 @@
 # make demo: the whole pipeline on the embedded tiny target (CPU, a few minutes).
 # make test: the test suite (installs the test-only extras first).
+# make lint: ruff (pinned in requirements-test.txt) over the tree, as CI runs it.
 PY ?= python3
 
-.PHONY: install install-test install-vllm demo test
+.PHONY: install install-test install-vllm demo test lint
 install: .installed
 .installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
@@ -36,3 +37,6 @@ demo: install
 
 test: install-test install-vllm
 	EAGLE3_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests
+
+lint: install-test
+	$(PY) -m ruff check .

@@ -33,7 +33,6 @@ from types import SimpleNamespace
 
 import torch
 
-
 from eagle3.core import hidden_states as hs
 from eagle3.extract import sglang_dump
 from eagle3.extract.sglang import Expected, convert_dump, make_rid

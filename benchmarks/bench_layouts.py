@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.core import hidden_states as hs
+from eagle3.core.loops import loop_stats, loop_summary
 from eagle3.core.target import load_lm_head
 from eagle3.train.data import list_files
 from eagle3.vocab.mapping import hot_ids_from_d2t
-from eagle3.core.loops import loop_stats, loop_summary
 from reference.stages import linked_workdir, script_module
 
 # run name -> (02b --dtype, 04 --topk-teacher, run whose 02b files it trains from)

@@ -50,17 +50,16 @@ from pathlib import Path
 
 import torch
 
-
-from eagle3.core.presets import draft_fields
-from eagle3.train import distributed
 from eagle3.core import hidden_states as hs
-from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
+from eagle3.core.presets import draft_fields
+from eagle3.core.stage import atomic_torch_save
 from eagle3.draft.mla import build_draft_model
 from eagle3.draft.model import DraftConfig
+from eagle3.train import distributed
+from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
 from eagle3.train.flops import micro_step_flops
 from eagle3.train.fp8 import refresh_fp8_weights, use_fp8_gemms
 from eagle3.train.optimizer import build_optimizer, clip_gradients
-from eagle3.core.stage import atomic_torch_save
 from eagle3.train.ttt import TTTModel
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.core.presets import draft_fields
 from eagle3.core import hidden_states as hs
+from eagle3.core.presets import draft_fields
 from eagle3.core.stage import atomic_torch_save
 from eagle3.draft.model import DraftConfig
 from eagle3.train import loop

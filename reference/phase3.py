@@ -23,8 +23,8 @@ from pathlib import Path
 from eagle3.core.hidden_states import read_capture_layers
 from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
 from reference.parallel import JobPool
-from reference.stages import ROOT, SCRIPTS, export_checkpoint
 from reference.runs import LAYOUT_RUNS, SAME_STATE_RUNS
+from reference.stages import ROOT, SCRIPTS, export_checkpoint
 
 log = logging.getLogger(__name__)
 

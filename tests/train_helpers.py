@@ -14,14 +14,12 @@ from pathlib import Path
 
 import torch
 
-
 from eagle3.core import hidden_states as hs
+from eagle3.core.stage import atomic_torch_save
+from eagle3.draft.model import DraftConfig
 from eagle3.train.data import index_files, list_files
 from eagle3.train.distributed import DistInfo
-from eagle3.draft.model import DraftConfig
-from eagle3.core.stage import atomic_torch_save
-from eagle3.train.loop import (TrainConfig, TrainData, build_draft, build_runtime,
-                          train)
+from eagle3.train.loop import TrainConfig, TrainData, build_draft, build_runtime, train
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,8 +19,12 @@ import torch
 
 from eagle3.bench import sglang
 from eagle3.bench.config import BenchmarkConfig, DraftCheck
-from eagle3.bench.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
-                                   speculative_decode)
+from eagle3.bench.evaluate import (
+    Eagle3Proposer,
+    TargetRunner,
+    autoregressive_decode,
+    speculative_decode,
+)
 from eagle3.bench.prompts import PromptSet
 from eagle3.core.loops import loop_stats, loop_summary
 from eagle3.core.progress import progress

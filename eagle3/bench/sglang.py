@@ -19,10 +19,20 @@ from pathlib import Path
 import aiohttp
 
 from eagle3.bench.config import BenchmarkConfig, DraftCheck
-from eagle3.bench.measure import (ROLES, LoadSettings, attached_or_launched, combine,
-                                  measure_levels, measure_roles)
-from eagle3.bench.preflight import (check_baseline_server, check_server_pair,
-                                    check_speculative_server, check_streaming)
+from eagle3.bench.measure import (
+    ROLES,
+    LoadSettings,
+    attached_or_launched,
+    combine,
+    measure_levels,
+    measure_roles,
+)
+from eagle3.bench.preflight import (
+    check_baseline_server,
+    check_server_pair,
+    check_speculative_server,
+    check_streaming,
+)
 from eagle3.bench.prompts import PromptSet
 from eagle3.core.launcher import sglang_command
 from eagle3.core.preflight import PreflightError, raise_on_errors

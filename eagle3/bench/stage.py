@@ -21,8 +21,14 @@ from eagle3.bench.report import report_markdown, summary_rows, write_plots
 from eagle3.core.chat import ChatRenderer
 from eagle3.core.preflight import raise_on_errors
 from eagle3.core.progress import human_seconds
-from eagle3.core.stage import (STAGE_DIRS, Stage, StageResult, atomic_write_bytes,
-                               atomic_write_json, require_upstream)
+from eagle3.core.stage import (
+    STAGE_DIRS,
+    Stage,
+    StageResult,
+    atomic_write_bytes,
+    atomic_write_json,
+    require_upstream,
+)
 from eagle3.core.target import load_tokenizer
 
 __all__ = ["BACKENDS", "BenchmarkConfig", "STAGE", "check_inputs", "check_only", "run"]

@@ -33,8 +33,14 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from eagle3.bench.config import BenchmarkConfig, DraftCheck
-from eagle3.bench.measure import (LoadSettings, RequestRecord, attached_or_launched, combine,
-                                  measure_levels, measure_roles)
+from eagle3.bench.measure import (
+    LoadSettings,
+    RequestRecord,
+    attached_or_launched,
+    combine,
+    measure_levels,
+    measure_roles,
+)
 from eagle3.bench.prompts import PromptSet
 from eagle3.core.preflight import PreflightError
 from eagle3.core.progress import format_summary

@@ -19,10 +19,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from eagle3.core.preflight import PreflightError, Problem
+from eagle3.draft.check_mla import check_mla_against_target, check_mla_config, is_mla_draft
 from eagle3.draft.export import CONFIG_KEYS, draft_config_from_sglang, expected_tensors
 from eagle3.draft.layers import LayerIdError, captures_by_rule, describe_layers, layer_ids_for
-
-from eagle3.draft.check_mla import check_mla_against_target, check_mla_config, is_mla_draft
 
 log = logging.getLogger(__name__)
 

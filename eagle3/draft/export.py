@@ -16,8 +16,13 @@ from safetensors.torch import load_file
 from eagle3.core.stage import atomic_save_safetensors, atomic_write_json
 from eagle3.draft.layers import describe_layers, layer_ids_for, sglang_capture_layers
 from eagle3.draft.mla import build_draft_model
-from eagle3.draft.mla_export import (MLA_ARCHITECTURE, eagle31_fields, mla_attention_tensors,
-                                     mla_config, mla_draft_fields)
+from eagle3.draft.mla_export import (
+    MLA_ARCHITECTURE,
+    eagle31_fields,
+    mla_attention_tensors,
+    mla_config,
+    mla_draft_fields,
+)
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 log = logging.getLogger(__name__)

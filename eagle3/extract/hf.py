@@ -20,8 +20,13 @@ from eagle3.core import hidden_states as hs
 from eagle3.core.target import TargetInfo, load_hf_model
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.teacher import maybe_teacher
-from eagle3.extract.writer import (ExtractCounts, ExtractError, ExtractProgress, SplitWriter,
-                                   record_meta)
+from eagle3.extract.writer import (
+    ExtractCounts,
+    ExtractError,
+    ExtractProgress,
+    SplitWriter,
+    record_meta,
+)
 
 log = logging.getLogger(__name__)
 

@@ -46,15 +46,30 @@ import aiohttp
 from eagle3.core import hidden_states as hs
 from eagle3.core.preflight import raise_on_errors
 from eagle3.core.progress import human_bytes
-from eagle3.core.server import (MODEL_INFO_PATHS, RetryPolicy, ServerError, generate, get_json,
-                                get_server_info, wait_ready)
+from eagle3.core.server import (
+    MODEL_INFO_PATHS,
+    RetryPolicy,
+    ServerError,
+    generate,
+    get_json,
+    get_server_info,
+    wait_ready,
+)
 from eagle3.core.target import TargetInfo
 from eagle3.extract import hf, sglang_dump
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.dump_server import check_dump_server
 from eagle3.extract.teacher import maybe_teacher
-from eagle3.extract.writer import (FAILURES_FILE, ExtractCounts, ExtractError, ExtractProgress,
-                                   FailureLog, SplitWriter, check_disk, record_meta)
+from eagle3.extract.writer import (
+    FAILURES_FILE,
+    ExtractCounts,
+    ExtractError,
+    ExtractProgress,
+    FailureLog,
+    SplitWriter,
+    check_disk,
+    record_meta,
+)
 
 log = logging.getLogger(__name__)
 

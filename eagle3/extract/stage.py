@@ -9,6 +9,7 @@ output writer (`eagle3/extract/writer.py`): adding a backend is one module and o
 from __future__ import annotations
 
 import time
+
 from eagle3.core.hidden_states import bytes_per_token
 from eagle3.core.records import read_jsonl
 from eagle3.core.stage import STAGE_DIRS, Stage, StageResult, require_upstream

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from eagle3.core import hidden_states as hs
 from eagle3.core.progress import human_bytes, human_seconds, progress
 from eagle3.core.records import JsonlAppender, read_jsonl

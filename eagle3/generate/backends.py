@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from eagle3.core.chat import ChatRenderer
-from eagle3.generate.jobs import GenerationJob, generated_record
 from eagle3.core.server import RetryPolicy, ServerPool, TransientError, post_once, post_pool_once
+from eagle3.generate.jobs import GenerationJob, generated_record
 
 log = logging.getLogger(__name__)
 

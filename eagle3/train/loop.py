@@ -26,23 +26,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3.core.cli import UpstreamStageFlags, arg, config_dict
+from eagle3.core.presets import PRESETS, DraftShape, check_target, get_preset
+from eagle3.draft.mla import build_draft_model, mla_draft_config, read_mla_dims
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.train import distributed
 from eagle3.train.acceptance import AcceptanceEstimate
 from eagle3.train.checkpoint import check_data_position, load_latest, save_checkpoint, set_rng_state
-from eagle3.core.cli import UpstreamStageFlags, arg, config_dict
-from eagle3.core.presets import PRESETS, DraftShape, check_target, get_preset
-from eagle3.train.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan, list_files,
-                         make_loader, pack_epoch, row_width)
+from eagle3.train.data import (
+    DevicePrefetcher,
+    PackedRows,
+    RunPlan,
+    build_plan,
+    list_files,
+    make_loader,
+    pack_epoch,
+    row_width,
+)
 from eagle3.train.distributed import DistInfo
-from eagle3.draft.mla import build_draft_model, mla_draft_config, read_mla_dims
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.train.fp8 import MODES as FP8_MODES
+from eagle3.train.fp8 import refresh_fp8_weights, use_fp8_gemms
+from eagle3.train.fp8 import resolve_mode as resolve_fp8
+from eagle3.train.guards import raise_if_gradient_missing, raise_if_nonfinite
 from eagle3.train.log import MetricsLog, metrics_line
-from eagle3.train.guards import (raise_if_gradient_missing,
-                                  raise_if_nonfinite)
-from eagle3.train.fp8 import (MODES as FP8_MODES, refresh_fp8_weights, resolve_mode as resolve_fp8,
-                              use_fp8_gemms)
-from eagle3.train.teacher import TOPK_MODES
 from eagle3.train.optimizer import build_optimizer, clip_gradients
+from eagle3.train.teacher import TOPK_MODES
 from eagle3.train.ttt import UNROLLS, TTTModel, num_stats, stats_dict
 
 __all__ = ["TrainConfig", "lr_at", "train", "build_draft", "build_draft_config", "list_files"]

@@ -3,10 +3,14 @@ settings that bias the comparison are warned about."""
 
 from __future__ import annotations
 
-from eagle3.bench.preflight import (check_baseline_server, check_server_pair,
-                                    check_speculative_server, check_streaming)
-from eagle3.draft.export import sglang_config
+from eagle3.bench.preflight import (
+    check_baseline_server,
+    check_server_pair,
+    check_speculative_server,
+    check_streaming,
+)
 from eagle3.core.presets import draft_fields
+from eagle3.draft.export import sglang_config
 from eagle3.draft.model import DraftConfig
 
 KIMI = DraftConfig(**draft_fields("kimi-k2.5"), max_position_embeddings=262144)

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.bench.vllm import (SpecCounters, acceptance_figures, logged_capture_layers,
-                               parse_spec_metrics, speculative_config, vllm_command)
+from eagle3.bench.vllm import (
+    SpecCounters,
+    acceptance_figures,
+    logged_capture_layers,
+    parse_spec_metrics,
+    speculative_config,
+    vllm_command,
+)
 from eagle3.draft.check_vllm import check_vllm_layers, vllm_capture_layers
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -126,8 +132,8 @@ def test_default_vllm_draft_is_the_folder_04_wrote_for_its_architecture(tmp_path
 
 
 def test_default_vllm_draft_without_04s_manifest_asks_for_draft(tmp_path):
-    from eagle3.draft.check_vllm import default_vllm_draft
     from eagle3.core.stage import StageError
+    from eagle3.draft.check_vllm import default_vllm_draft
 
     with pytest.raises(StageError, match="--draft"):
         default_vllm_draft(tmp_path)

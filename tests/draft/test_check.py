@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.core.presets import draft_fields
-from eagle3.draft.model import DraftConfig, Eagle3Draft
-from eagle3.draft.export import export_sglang
 from eagle3.core.preflight import PreflightError
+from eagle3.core.presets import draft_fields
 from eagle3.draft.check import check_draft, check_vocab_coverage, load_t2d, read_tensor_shapes
+from eagle3.draft.export import export_sglang
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 # Kimi-K2.5: hidden 7168, vocab 163840, 61 layers -> captures [2, 30, 58]; the draft of
 # `04_train.py --preset kimi-k2.5` (64 heads x 128, MLP 12288), a 32000-id draft vocabulary.

@@ -7,8 +7,8 @@ import json
 from safetensors import safe_open
 
 from eagle3.core.presets import draft_fields
-from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.draft.export import CONFIG_KEYS, expected_tensors, export_sglang, load_draft
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 PIPELINE_CONFIG_KEYS = {  # PIPELINE.md, "Draft checkpoint"
     "architectures", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from stage_helpers import assert_same_folder
 from extract_helpers import (
     STAGE,
     assert_same_outputs,
@@ -17,6 +16,7 @@ from extract_helpers import (
     main_02b,
     write_merged,
 )
+from stage_helpers import assert_same_folder
 
 from eagle3.core import hidden_states as hs
 from eagle3.core.records import read_jsonl

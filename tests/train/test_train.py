@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import train_helpers as th
 
-from eagle3.train.loop import lr_at
 from eagle3.train.log import read_metrics
+from eagle3.train.loop import lr_at
 from eagle3.train.ttt import TTTModel, stats_dict
-
 
 # ---------------------------------------------------------------- schedule
 
@@ -231,9 +229,9 @@ def test_demo_training_lowers_the_loss_and_raises_acceptance_above_an_untrained_
     target_model = demo_target_model
     from eagle3.bench.hf import run_offline
     from eagle3.bench.prompts import PromptSet
-    from eagle3.draft.export import load_draft
     from eagle3.core.records import read_jsonl
     from eagle3.core.target import load_embedding
+    from eagle3.draft.export import load_draft
     from eagle3.train.loop import build_draft
 
     records = read_metrics(demo_run / "04_train/metrics.jsonl")
@@ -288,10 +286,9 @@ def test_flop_count_matches_torch_flop_counter_when_attention_is_dense(unroll):
 
 
 def test_flop_count_at_kimi_dimensions_counts_fc_once_per_row():
+    from eagle3.core.presets import draft_fields
     from eagle3.draft.model import DraftConfig
     from eagle3.train.flops import micro_step_flops
-
-    from eagle3.core.presets import draft_fields
 
     cfg = DraftConfig(**draft_fields("kimi-k2.5"))  # 64 heads x 128, 64 KV heads, MLP 12288
     f = micro_step_flops(cfg, 4096, [4096], 7, unroll="per-step")
