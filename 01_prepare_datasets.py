@@ -4,7 +4,7 @@
 Reads a recipe from datasets/ and writes, for each of its datasets,
 `<workdir>/01_prepared/<dataset>/conversations.jsonl` (OpenAI-shaped messages, stable ids),
 `tokenized.jsonl` (datasets whose replies are kept: input_ids + loss_mask rendered with the
-target's chat template, PIPELINE.md "Records") and `quarantine.jsonl` (every rejected row and
+target's chat template, docs/PIPELINE.md "Records") and `quarantine.jsonl` (every rejected row and
 why). Datasets run in parallel worker processes, in chunks; killed and re-run with the same
 command, the stage continues from the finished chunks and ends with the same bytes.
 

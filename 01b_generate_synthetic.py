@@ -2,7 +2,7 @@
 """Stage 01b: regenerate responses with the target -> tokenized records per dataset.
 
 Reads `<workdir>/01_prepared/*/conversations.jsonl`; writes
-`<workdir>/01b_generated/<dataset>/tokenized.jsonl` (input_ids + loss_mask per PIPELINE.md),
+`<workdir>/01b_generated/<dataset>/tokenized.jsonl` (input_ids + loss_mask per docs/PIPELINE.md),
 `raw.jsonl` (every answer as received), `failures.jsonl` (records that failed, with the reason)
 and `quarantine.jsonl` (conversations that cannot be rendered). Datasets whose recipe entry says
 `"regenerate": false` keep their replies, rendered with the target's chat template.

@@ -2,7 +2,7 @@
 """Stage 02b: hidden states of the target for every merged sample.
 
 Reads `<workdir>/01c_merged/{train,eval}.jsonl`; writes
-`<workdir>/02b_hidden_states/<split>/shard_NNNNN/data_<idx>.pt` (PIPELINE.md layout): the aux
+`<workdir>/02b_hidden_states/<split>/shard_NNNNN/data_<idx>.pt` (docs/PIPELINE.md layout): the aux
 states at the capture layers ([2, N//2, N-3]; [2, 30, 58] for Kimi-K2.5) and the final
 post-norm state, bf16 or fp8 (`--dtype fp8`: e4m3 aux states with a per-token scale;
 `fp8-all`: the final state in e4m3 too; `fp8-topk`: instead of the final state, the teacher's

@@ -154,7 +154,7 @@ def synthetic_batch(cfg: DraftConfig, seq: int, device) -> dict:
 
 
 def write_files(cfg: DraftConfig, seq: int, n: int, root: Path) -> list[Path]:
-    """`n` hidden-state files of `seq` tokens in the PIPELINE.md layout (bf16)."""
+    """`n` hidden-state files of `seq` tokens in the docs/PIPELINE.md layout (bf16)."""
     files = []
     for i in range(n):
         b = synthetic_batch(cfg, seq, "cpu")

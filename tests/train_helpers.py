@@ -28,7 +28,7 @@ H, VT, VD = 16, 40, 24
 
 def write_dataset(root: Path, n: int, seed: int, lengths=(12, 60), layouts=("bf16",),
                   topk: int = 8) -> None:
-    """`n` hidden-state files under `root/shard_00000/` (PIPELINE.md layout); file i in layout
+    """`n` hidden-state files under `root/shard_00000/` (docs/PIPELINE.md layout); file i in layout
     `layouts[i % len(layouts)]` (fp8-topk: the teacher of tiny_teacher_head(topk))."""
     head = tiny_teacher_head(topk) if "fp8-topk" in layouts else None
     g = torch.Generator().manual_seed(seed)

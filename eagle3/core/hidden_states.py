@@ -1,4 +1,4 @@
-"""Hidden-state files (PIPELINE.md, "Hidden-state file") and their capture with transformers.
+"""Hidden-state files (docs/PIPELINE.md, "Hidden-state file") and their capture with transformers.
 
 A file holds `input_ids [T]`, `loss_mask [T]`, `hidden_states`: the three aux captures then the
 final post-norm state, each `[T, H]`, and `meta`. With fp8 storage the aux tensors are float8

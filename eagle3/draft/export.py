@@ -1,4 +1,4 @@
-"""The SGLang-loadable draft folder (PIPELINE.md, "Draft checkpoint").
+"""The SGLang-loadable draft folder (docs/PIPELINE.md, "Draft checkpoint").
 
 Which layer ids config.json names (and which captures each SGLang release reads from them) is
 `eagle3/draft/layers.py`; checking a folder someone else wrote is `eagle3/draft/check.py`.

@@ -1,6 +1,6 @@
 """Stage 02b, shared by every backend: output folders, resume, disk preflight, progress, summary.
 
-Output of a split (PIPELINE.md): `<split>/shard_NNNNN/data_<idx>.pt`, idx = the record's line
+Output of a split (docs/PIPELINE.md): `<split>/shard_NNNNN/data_<idx>.pt`, idx = the record's line
 index in the merged split file, each file written atomically; `<split>/index.jsonl` logs
 `{idx, id, tokens, bytes}` once a file is on disk, rewritten in idx order when the split ends
 (the same bytes however the run was batched or killed). Resume is by record id: every existing file

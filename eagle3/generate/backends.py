@@ -91,8 +91,9 @@ class SGLangBackend:
                                 f"is {meta['completion_tokens']}")
         matched = reason.get("matched") if isinstance(reason, dict) else None
         if kind == "stop" and isinstance(matched, int) and output[-1:] != [matched]:
-            # The stop token the target emitted closes the turn and is supervised (PIPELINE.md);
-            # releases that leave it out of output_ids still name it as `matched`.
+            # The stop token the target emitted closes the turn and is supervised
+            # (docs/PIPELINE.md); releases that leave it out of output_ids still name it as
+            # `matched`.
             output = output + [matched]
             self.stats["appended_stop_token"] += 1
         raw = {"id": job.id, "backend": self.name, "output_ids": output, "finish_reason": kind,

@@ -10,12 +10,12 @@ from eagle3.core.presets import draft_fields
 from eagle3.draft.export import CONFIG_KEYS, expected_tensors, export_sglang, load_draft
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 
-PIPELINE_CONFIG_KEYS = {  # PIPELINE.md, "Draft checkpoint"
+PIPELINE_CONFIG_KEYS = {  # docs/PIPELINE.md, "Draft checkpoint"
     "architectures", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size",
     "num_hidden_layers", "tie_word_embeddings", "draft_vocab_size", "target_hidden_size",
     "eagle_config"}
-# Needed by transformers' AutoConfig / SGLang's LlamaMLP beyond the PIPELINE.md list.
+# Needed by transformers' AutoConfig / SGLang's LlamaMLP beyond the docs/PIPELINE.md list.
 LOADER_KEYS = {"model_type", "hidden_act", "torch_dtype"}
 
 
