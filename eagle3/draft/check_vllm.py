@@ -21,7 +21,7 @@ from eagle3.core.preflight import Problem
 from eagle3.core.stage import STAGE_DIRS, StageError, read_manifest
 from eagle3.core.target import default_capture_layers, read_target_info
 from eagle3.draft.check import read_draft_config, read_tensor_shapes
-from eagle3.draft.export import draft_config_from_sglang, expected_tensors
+from eagle3.draft.export import draft_captures, draft_config_from_sglang, expected_tensors
 from eagle3.draft.model import DraftConfig
 from eagle3.draft.speculators import speculators_name
 
@@ -87,14 +87,16 @@ def _draft_shape_config(config: dict):
 def check_vllm_draft(draft_dir: Path, target_dir: Path, workdir: Path | None
                      ) -> tuple[list[Problem], str, list[int]]:
     """A draft folder as vLLM loads it (speculators layout, or SGLang's LlamaForCausalLMEagle3):
-    every weight name and shape, and the layers vLLM will capture against those 02b dumped
-    (`<workdir>/02b_hidden_states/manifest.json`, else the default `[2, N//2, N-3]`).
+    every weight name and shape, and the layers vLLM will capture against those the draft was
+    trained on (the folder's own `draft_captures`, else `<workdir>/02b_hidden_states/
+    manifest.json`, else the default `[2, N//2, N-3]`).
     Returns (problems, layer report, the captures the draft was trained on)."""
     config = read_draft_config(draft_dir)
     info = read_target_info(target_dir)
     expected = default_capture_layers(info.num_hidden_layers)
     if workdir is not None:
         expected = read_capture_layers(workdir) or expected
+    expected = draft_captures(config) or expected  # what the folder says it was trained on
     shapes = read_tensor_shapes(draft_dir)
     speculators = config.get("speculators_model_type") == "eagle3"
     problems = []

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The key of a draft config's `eagle_config` that names the captures the draft was trained on
+# (04 writes it; SGLang and vLLM ignore it; eagle3.draft.export.draft_captures reads it).
+TRAINED_CAPTURES = "trained_capture_layers"
+
 
 class LayerIdError(ValueError):
     """Layer ids no SGLang release (or not the named one) reads as the wanted captures."""

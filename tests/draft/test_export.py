@@ -46,7 +46,8 @@ def test_export_has_exactly_the_pipeline_keys_and_tensors(tmp_path):
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert config["vocab_size"] == 500 and config["draft_vocab_size"] == 100
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
-                                      "use_aux_hidden_state": True}
+                                      "use_aux_hidden_state": True,
+                                      "trained_capture_layers": [2, 4, 5]}
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         assert f.get_tensor("d2t").dtype.is_floating_point is False
