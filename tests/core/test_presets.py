@@ -7,7 +7,7 @@ import pytest
 from eagle3.core.presets import PRESETS, check_target, draft_fields, get_preset
 from eagle3.core.target import read_target_info
 from eagle3.tiny.target import TinyTargetConfig, make_tiny_target
-from eagle3.train.loop import TrainConfig, draft_shape
+from eagle3.train.config import TrainConfig, draft_shape
 
 
 def test_get_preset_refuses_a_name_when_it_is_not_an_exact_key():
