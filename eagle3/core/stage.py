@@ -223,10 +223,12 @@ class Stage:
 
 @dataclass
 class StageResult:
-    """What a stage's `run` hands back to its script: the summary table's rows, the exit code."""
+    """What a stage's `run` hands back to its script: the summary table's rows (None: nothing to
+    show), the exit code, and an error for stderr."""
 
-    rows: dict
+    rows: dict | None
     exit_code: int = 0
+    error: str = ""
 
 
 def open_stage(workdir: Path, folder: str, args: dict, force: bool = False) -> Stage | None:
