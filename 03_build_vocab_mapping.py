@@ -25,11 +25,21 @@ from pathlib import Path
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
 from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.core.records import count_jsonl
-from eagle3.core.stage import (STAGE_DIRS, atomic_save_safetensors, atomic_write_json, open_stage,
-                               require_upstream)
+from eagle3.core.stage import (
+    STAGE_DIRS,
+    atomic_save_safetensors,
+    atomic_write_json,
+    open_stage,
+    require_upstream,
+)
 from eagle3.core.target import TRUST_HELP, check_remote_code, load_tokenizer, read_target_info
-from eagle3.vocab.mapping import (build_mapping, count_supervised_by_origin,
-                                  regenerated_datasets, report, select_hot_ids)
+from eagle3.vocab.mapping import (
+    build_mapping,
+    count_supervised_by_origin,
+    regenerated_datasets,
+    report,
+    select_hot_ids,
+)
 
 STAGE = STAGE_DIRS["03"]
 UPSTREAM = STAGE_DIRS["merge"]

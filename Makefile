@@ -1,9 +1,10 @@
 # make demo: the whole pipeline on SmolLM2-135M-Instruct, a real instruct model (CPU, ~10 min).
 # make demo-tiny: the same on the embedded tiny target (random weights; CPU, a few minutes).
 # make test: the test suite (installs the test-only extras first).
+# make lint: ruff (pinned in requirements-test.txt) over the tree, as CI runs it.
 PY ?= python3
 
-.PHONY: install install-test install-vllm demo demo-tiny test
+.PHONY: install install-test install-vllm demo demo-tiny test lint
 install: .installed
 .installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
@@ -42,3 +43,6 @@ demo-tiny: install
 
 test: install-test install-vllm
 	EAGLE3_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests
+
+lint: install-test
+	$(PY) -m ruff check .

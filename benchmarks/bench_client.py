@@ -26,11 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-
-from eagle3.generate.jobs import GenerationJob, RecordSink
-from eagle3.generate.backends import SGLangBackend
-from eagle3.generate.runner import GenerationRun, RunnerConfig
 from eagle3.core.server import RetryPolicy, ServerPool, make_session, post_once
+from eagle3.generate.backends import SGLangBackend
+from eagle3.generate.jobs import GenerationJob, RecordSink
+from eagle3.generate.runner import GenerationRun, RunnerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

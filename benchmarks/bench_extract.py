@@ -6,7 +6,7 @@ Three measurements on the same directory, with realistic widths (H = 7168, Kimi-
 - raw disk: the same bytes as the bf16 output, one file per sample, write + fsync (the floor);
 - dump write: `eagle3.extract.sglang_dump.dump_forward_pass` on prefill passes of several requests
   (bf16 states already on the CPU: the GPU->CPU copy is not measured), i.e. the server's cost;
-- client: `eagle3.extract.sglang.convert_dump` (load, check, split, pack bf16 or fp8, save with
+- client: `eagle3.extract.dumps.convert_dump` (load, check, split, pack bf16 or fp8, save with
   fsync, delete the dump) per sample, alone and with a pool of threads as the client runs it.
 
 Each line gives tokens/s (wall), tokens per CPU-second (all threads: what the work costs,
@@ -33,10 +33,9 @@ from types import SimpleNamespace
 
 import torch
 
-
 from eagle3.core import hidden_states as hs
 from eagle3.extract import sglang_dump
-from eagle3.extract.sglang import Expected, convert_dump, make_rid
+from eagle3.extract.dumps import Expected, convert_dump, make_rid
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.core import hidden_states as hs
+from eagle3.core.loops import loop_stats, loop_summary
 from eagle3.core.target import load_lm_head
 from eagle3.train.data import list_files
 from eagle3.vocab.mapping import hot_ids_from_d2t
-from eagle3.bench.loops import loop_stats, loop_summary
 from reference.stages import linked_workdir, script_module
 
 # run name -> (02b --dtype, 04 --topk-teacher, run whose 02b files it trains from)
@@ -78,7 +78,7 @@ def tail_mass(bf16_workdir: Path, target: Path) -> dict:
 
 def loop_free_acceptance(step: dict) -> float | None:
     """Acceptance over the rounds before each output's first loop: the library's one definition
-    (eagle3/bench/loops.py), as 05 reports it; None when no such round exists."""
+    (eagle3/core/loops.py), as 05 reports it; None when no such round exists."""
     return loop_summary(step["outputs"], step["accept_lengths"])["loop_free_acceptance"]
 
 

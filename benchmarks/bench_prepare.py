@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.stages import script_module
 from eagle3.core.stage import STAGE_DIRS
+from reference.stages import script_module
 
 ROOT = Path(__file__).resolve().parent.parent
 

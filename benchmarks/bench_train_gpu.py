@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Training-step throughput of the EAGLE-3 trainer at Kimi-K2.5 draft dimensions.
 
-Hidden 7168, 64 heads x 128, intermediate 18432, draft vocab 32000, target vocab 163840, TTT 7,
+The draft of `04_train.py --preset kimi-k2.5` (eagle3/core/presets.py), target vocab 163840, TTT 7,
 one sequence of 4096 tokens per micro-step, synthetic weights and hidden states. Prints and
 writes to `$OUT/bench_train.json` (default ./bench_out): tokens/s per GPU, step time, peak
 memory, MFU (exact FLOPs, eagle3/train/flops.py), the share of the step in fwd+bwd / clip / optimizer,
@@ -50,24 +50,22 @@ from pathlib import Path
 
 import torch
 
-
-from eagle3.train import distributed
 from eagle3.core import hidden_states as hs
-from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
+from eagle3.core.presets import draft_fields
+from eagle3.core.stage import atomic_torch_save
 from eagle3.draft.mla import build_draft_model
 from eagle3.draft.model import DraftConfig
+from eagle3.train import distributed
+from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
 from eagle3.train.flops import micro_step_flops
 from eagle3.train.fp8 import refresh_fp8_weights, use_fp8_gemms
 from eagle3.train.optimizer import build_optimizer, clip_gradients
-from eagle3.core.stage import atomic_torch_save
 from eagle3.train.ttt import TTTModel
 
 ROOT = Path(__file__).resolve().parent.parent
 
 H200_BF16_PEAK = 989e12  # dense bf16 spec; sustained power-capped GEMMs reach ~650-680e12
-KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
-            intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,
-            target_hidden_size=7168, capture_layers=[2, 30, 58])
+KIMI = draft_fields("kimi-k2.5")  # the draft 04 --preset kimi-k2.5 trains
 # A CPU-sized draft with Kimi-K2.5's head size (the FP8 gradient check on CPU: --mid)
 MID = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
            intermediate_size=2816, vocab_size=32768, draft_vocab_size=8192,
@@ -156,7 +154,7 @@ def synthetic_batch(cfg: DraftConfig, seq: int, device) -> dict:
 
 
 def write_files(cfg: DraftConfig, seq: int, n: int, root: Path) -> list[Path]:
-    """`n` hidden-state files of `seq` tokens in the PIPELINE.md layout (bf16)."""
+    """`n` hidden-state files of `seq` tokens in the docs/PIPELINE.md layout (bf16)."""
     files = []
     for i in range(n):
         b = synthetic_batch(cfg, seq, "cpu")

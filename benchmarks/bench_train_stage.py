@@ -35,14 +35,13 @@ from pathlib import Path
 import torch
 
 from eagle3.core import hidden_states as hs
+from eagle3.core.presets import draft_fields
 from eagle3.core.stage import atomic_torch_save
 from eagle3.draft.model import DraftConfig
 from eagle3.train import loop
 from eagle3.train.distributed import DistInfo
 
-KIMI = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
-            intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,
-            target_hidden_size=7168, capture_layers=[2, 30, 58])
+KIMI = draft_fields("kimi-k2.5")  # the draft 04 --preset kimi-k2.5 trains
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
             intermediate_size=128, vocab_size=554, draft_vocab_size=256, target_hidden_size=64,
             capture_layers=[2, 4, 5])

@@ -25,11 +25,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
-from eagle3.prepare.merge import SourcePolicy, apply_policies, dedupe, format_stats_table
-from eagle3.prepare.merge import scan, split_and_shuffle, write_split
 from eagle3.core.progress import format_summary, human_bytes, human_seconds
-from eagle3.core.stage import STAGE_DIRS, Quarantine, atomic_write_json, open_stage, read_manifest
-from eagle3.core.stage import require_upstream
+from eagle3.core.stage import (
+    STAGE_DIRS,
+    Quarantine,
+    atomic_write_json,
+    open_stage,
+    read_manifest,
+    require_upstream,
+)
+from eagle3.prepare.merge import (
+    SourcePolicy,
+    apply_policies,
+    dedupe,
+    format_stats_table,
+    scan,
+    split_and_shuffle,
+    write_split,
+)
 
 STAGE = STAGE_DIRS["merge"]
 UPSTREAM = STAGE_DIRS["01b"]

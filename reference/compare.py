@@ -5,7 +5,7 @@ the same evaluator on the same held-out prompts (reference/phase3.py); the rows 
 thing each: the draft's architecture (MLA), the layout of the states it trained on (fp8, fp8-all,
 top-k teacher renormalised or with the tail bucket), or 04's GEMM precision (fp8gemm). Figures:
 acceptance (tokens per verify round) at 3 and 7 steps with the loop share of the same outputs
-and the loop-free acceptance (eagle3/bench/loops.py), the draft's parameters (its exported
+and the loop-free acceptance (eagle3/core/loops.py), the draft's parameters (its exported
 model.safetensors), 04's training-loop tokens/s (its manifest's `outputs.tok_s`, the mean over
 log windows after the first, which holds compilation), the bytes/token of the 02b files it read
 (manifest disk bytes / tokens), and each against main in %.

@@ -4,7 +4,7 @@ H200 reference target (BENCHMARKS.md) the first collapsed it to 1.00; the second
 layer, cost almost nothing (1.613 against 1.618), presumably because adjacent residual
 states are that alike (not measured).
 
-1. The `EAGLE` vs `EAGLE3` mistake (PIPELINE.md): a server started with
+1. The `EAGLE` vs `EAGLE3` mistake (docs/PIPELINE.md): a server started with
    `--speculative-algorithm EAGLE` and an EAGLE-3 draft captures no aux states; the draft gets
    the target's final hidden state (H wide instead of 3H), SGLang's `LlamaForCausalLMEagle3`
    skips `fc` because the width already matches, and `d2t` is not applied, so draft-vocabulary

@@ -39,8 +39,8 @@ class EvalWorkerConfig:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from eagle3.core.chat import ChatRenderer
     from eagle3.bench.prompts import load_prompt_set
+    from eagle3.core.chat import ChatRenderer
     from eagle3.core.target import load_tokenizer
     from reference.evaluate_drafts import DraftEvaluator, EvalSpec
 

@@ -22,17 +22,25 @@ from pathlib import Path
 
 import torch
 
-from eagle3.bench.run import offline_summary, sampling_generator
+from eagle3.bench.evaluate import (
+    Eagle3Proposer,
+    TargetRunner,
+    autoregressive_decode,
+    speculative_decode,
+)
+from eagle3.bench.hf import offline_summary, sampling_generator
 from eagle3.core.chat import ChatRenderer
-from eagle3.bench.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
-                             speculative_decode)
-from eagle3.draft.export import load_draft
+from eagle3.core.loops import loop_stats
 from eagle3.core.progress import progress
 from eagle3.core.stage import atomic_write_json
 from eagle3.core.target import load_embedding, load_hf_model, load_tokenizer
-from reference.controls import (FinalStateProposer, final_state_layers, layer_similarity,
-                                shifted_layers)
-from eagle3.bench.loops import loop_stats
+from eagle3.draft.export import load_draft
+from reference.controls import (
+    FinalStateProposer,
+    final_state_layers,
+    layer_similarity,
+    shifted_layers,
+)
 
 log = logging.getLogger(__name__)
 

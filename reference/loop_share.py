@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Loop share of any results file: the library's definition (eagle3/bench/loops.py) on every
+"""Loop share of any results file: the library's definition (eagle3/core/loops.py) on every
 list stored under a key named `output_ids`.
 
     python reference/loop_share.py RESULTS.json     # any JSON holding per-prompt output ids
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from eagle3.bench.loops import LoopStats, loop_mask, loop_stats  # noqa: F401  (re-exported)
+from eagle3.core.loops import LoopStats, loop_mask, loop_stats  # noqa: F401  (re-exported)
 
 
 def find_output_ids(obj) -> list[list[int]]:

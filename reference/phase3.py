@@ -20,10 +20,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from eagle3.core.hidden_states import read_capture_layers
 from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
 from reference.parallel import JobPool
+from reference.runs import LAYOUT_RUNS, SAME_STATE_RUNS
 from reference.stages import ROOT, SCRIPTS, export_checkpoint
-from reference.steps import LAYOUT_RUNS, SAME_STATE_RUNS, PhaseSteps
 
 log = logging.getLogger(__name__)
 
@@ -205,13 +206,14 @@ def _checkpoints(ph: Phase3) -> None:
         ph.evaluate(f"eval checkpoint {step}", EvalSpec(f"ckpt_{step}", draft, [3], **ph.sweep))
 
 
-def _trained(name: str, train, estimate):
-    """A draft trained here by `train(phases, name)` (budgeted by `estimate(phases)`), then
-    evaluated: the storage layouts of issue 17 (steps.LAYOUT_RUNS) and the drafts on main's own
-    states (steps.SAME_STATE_RUNS)."""
+def _trained(name: str, train: str, estimate: str):
+    """A draft trained here by the PhaseSteps method `train(name)` (budgeted by its method
+    `estimate()`), then evaluated: the storage layouts of issue 17 (runs.LAYOUT_RUNS) and the
+    drafts on main's own states (runs.SAME_STATE_RUNS)."""
     def run(ph: Phase3) -> None:
         phases = ph.phases
-        phases.task(f"train {name}", lambda: train(phases, name), estimate(phases))
+        phases.task(f"train {name}", lambda: getattr(phases, train)(name),
+                    getattr(phases, estimate)())
         ph.evaluate_trained(name, phases.root / name)
     return run
 
@@ -233,9 +235,8 @@ def _sizes(ph: Phase3) -> None:
 # that each one's tokens/s is its own).
 PHASE3_WORK = {
     "controls": _controls, "bench_t1": lambda ph: ph.bench_t1(), "checkpoints": _checkpoints,
-    **{n: _trained(n, PhaseSteps.train_layout, PhaseSteps.fp8_estimate) for n in LAYOUT_RUNS},
-    **{n: _trained(n, PhaseSteps.train_same_states, PhaseSteps.same_states_estimate)
-       for n in SAME_STATE_RUNS},
+    **{n: _trained(n, "train_layout", "fp8_estimate") for n in LAYOUT_RUNS},
+    **{n: _trained(n, "train_same_states", "same_states_estimate") for n in SAME_STATE_RUNS},
     "sizes": _sizes}
 
 
@@ -259,7 +260,7 @@ def run_controls(phases, results: list[dict]) -> None:
     ref_gain = ref["steps"]["3"]["acceptance_length"] - 1
     final = phases.main / STAGE_DIRS["04"] / "final"
     info = read_target_info(phases.target)
-    captures = read_manifest(phases.main / STAGE_DIRS["02b"])["capture_layers"]
+    captures = read_capture_layers(phases.main)
     detection = {"final_state": detect_eagle_mistake(final),
                  "shifted_layers": detect_shifted_layers(final, captures, info.hidden_size,
                                                          info.vocab_size, phases.root / "controls")}

@@ -88,7 +88,7 @@ def stage_throughput(record: dict, workdir: Path) -> dict:
 
 def bench_summary(results: dict | None) -> dict | None:
     """The 05 figures (hf backend) with the loop share of its outputs."""
-    from eagle3.bench.loops import loop_stats
+    from eagle3.core.loops import loop_stats
 
     if not results:
         return None

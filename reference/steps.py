@@ -33,20 +33,12 @@ from eagle3.core.records import count_jsonl
 from eagle3.core.stage import STAGE_DIRS, atomic_write_json, read_manifest
 from eagle3.smollm2 import target as smollm2_target
 from reference import build_corpus, train_target
+from reference.phase3 import run_phase3
+from reference.runs import LAYOUT_RUNS, SAME_STATE_RUNS
 from reference.stages import StageRunner, linked_workdir, subset_workdir
 
 log = logging.getLogger(__name__)
 BENCH_STEPS = (3, 7)  # chains 05 measures: SGLang's 3-1-4 setting (ceiling 4) and 7 (ceiling 8)
-# Storage layouts trained beside main's bf16 (issue 17): work folder -> (02b --dtype,
-# 04 --topk-teacher, the folder whose 02b files it trains from instead of extracting its own).
-LAYOUT_RUNS = {"fp8": ("fp8", None, None), "fp8_all": ("fp8-all", None, None),
-               "topk": ("fp8-topk", "renorm", None), "topk_tail": ("fp8-topk", "tail", "topk")}
-# Drafts trained on main's own bf16 states, merged data and vocabulary, so that only the draft
-# or 04's way of training it differs (issue 16, the FP8 GEMM option, the per-step TTT unroll
-# beside main's shared one): work folder -> what its 04 adds to main's flags ("profile" = the
-# profile's fp8gemm_train in place of its train_precision).
-SAME_STATE_RUNS = {"mla": ("--draft-arch", "mla"), "fp8gemm": "profile",
-                   "perstep": ("--ttt-unroll", "per-step")}
 
 
 class PhaseMissing(RuntimeError):
@@ -362,7 +354,5 @@ class PhaseSteps:
     # ------------------------------------------------------------ phase 3
 
     def phase3(self) -> None:
-        from reference.phase3 import run_phase3
-
         self._require(self.main / STAGE_DIRS["04"], 2)
         run_phase3(self)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.draft.mla import Eagle3MLADraft
 from eagle3.draft.attention import FLEX_BLOCK
+from eagle3.draft.mla import Eagle3MLADraft
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 # A small MLA draft; the MLA sizes are deliberately unequal, so a mixed-up split fails.

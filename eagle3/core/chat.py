@@ -10,7 +10,7 @@ and the turn's supervised tokens are those after P_i up to the last end-of-turn 
 
 Samples. A sample is the rendering F = U_E of the conversation through some assistant turn E;
 it supervises every assistant turn i <= E whose P_i and U_i are both prefixes of F, i.e. turns
-that the sample renders exactly as serving renders them (PIPELINE.md, prefix property). Turns
+that the sample renders exactly as serving renders them (docs/PIPELINE.md, prefix property). Turns
 left out get samples of their own, built the same way from the latest uncovered turn down. So a
 template that keeps history unchanged gives one sample per conversation, Kimi's (reasoning of
 turns before the last user message dropped) one per user segment with reasoning, and a template

@@ -1,4 +1,4 @@
-"""Hidden-state files (PIPELINE.md, "Hidden-state file") and their capture with transformers.
+"""Hidden-state files (docs/PIPELINE.md, "Hidden-state file") and their capture with transformers.
 
 A file holds `input_ids [T]`, `loss_mask [T]`, `hidden_states`: the three aux captures then the
 final post-norm state, each `[T, H]`, and `meta`. With fp8 storage the aux tensors are float8
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.core.stage import atomic_writer
+from eagle3.core.stage import STAGE_DIRS, atomic_writer, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,14 @@ FILE_OVERHEAD_BYTES = 5120  # zip headers, pickle and meta; measured 2.8-3.6 KB,
 
 class HiddenStateError(ValueError):
     """A hidden-state file that breaks the contract; the message names the file and field."""
+
+
+def read_capture_layers(workdir: Path) -> list[int] | None:
+    """The capture layers of the files 02b wrote in `workdir` (its manifest's `capture_layers`),
+    None when 02b has not finished there: the one reader of that key."""
+    manifest = read_manifest(Path(workdir) / STAGE_DIRS["02b"]) or {}
+    layers = manifest.get("capture_layers")
+    return list(layers) if layers else None
 
 
 def file_path(root: Path, idx: int) -> Path:

@@ -1,4 +1,4 @@
-"""The records that pass between stages (PIPELINE.md, "Records") and their JSONL files.
+"""The records that pass between stages (docs/PIPELINE.md, "Records") and their JSONL files.
 
 JSONL files are written append-only: a process killed mid-write leaves at most one torn last
 line, which `read_jsonl` reports and `JsonlAppender` cuts off before appending again.

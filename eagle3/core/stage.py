@@ -1,4 +1,4 @@
-"""Stage folders, manifests, atomic writes and quarantine files (PIPELINE.md, "Stages").
+"""Stage folders, manifests, atomic writes and quarantine files (docs/PIPELINE.md, "Stages").
 
 Every stage writes into `<workdir>/<stage folder>/` and ends by writing `manifest.json` with
 `"complete": true`. A stage refuses an upstream folder without a complete manifest unless told
@@ -36,8 +36,9 @@ class StageError(RuntimeError):
     """A stage cannot run as asked; the message says which folder or flag and the fix."""
 
 
-# The stage folders under the workdir (PIPELINE.md, "Stages and what they exchange"), keyed by the
-# stage's short name as the scripts are numbered; every script and report looks its folder up here.
+# The stage folders under the workdir (docs/PIPELINE.md, "Stages and what they exchange"), keyed
+# by the stage's short name as the scripts are numbered; every script and report looks its folder
+# up here.
 STAGE_DIRS = {"01": "01_prepared", "01b": "01b_generated", "merge": "01c_merged",
               "02b": "02b_hidden_states", "03": "03_vocab", "04": "04_train", "05": "05_benchmark"}
 
@@ -218,6 +219,16 @@ class Stage:
         manifest.update(extra or {})
         atomic_write_json(self.dir / MANIFEST, manifest)
         return manifest
+
+
+@dataclass
+class StageResult:
+    """What a stage's `run` hands back to its script: the summary table's rows (None: nothing to
+    show), the exit code, and an error for stderr."""
+
+    rows: dict | None
+    exit_code: int = 0
+    error: str = ""
 
 
 def open_stage(workdir: Path, folder: str, args: dict, force: bool = False) -> Stage | None:

@@ -19,10 +19,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from eagle3.core.preflight import PreflightError, Problem
-from eagle3.draft.export import CONFIG_KEYS, draft_config_from_sglang, expected_tensors
-from eagle3.draft.layers import LayerIdError, captures_by_rule, describe_layers, layer_ids_for
-
 from eagle3.draft.check_mla import check_mla_against_target, check_mla_config, is_mla_draft
+from eagle3.draft.export import (
+    CONFIG_KEYS,
+    draft_captures,
+    draft_config_from_sglang,
+    expected_tensors,
+)
+from eagle3.draft.layers import LayerIdError, captures_by_rule, describe_layers, layer_ids_for
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +246,14 @@ def check_draft_for_run(draft_dir: Path, target_dir: Path | None = None,
     """`check_draft` with what a pipeline run knows, and the layer report line.
 
     The target folder gives the hidden size, the vocabulary and SGLang's default captures
-    `[2, N//2, N-3]`; `<workdir>/02b_hidden_states/manifest.json` gives the captures the
-    training data really used (preferred); `<workdir>/01c_merged/eval.jsonl` gives the draft
-    vocabulary's coverage of held-out supervised tokens.
+    `[2, N//2, N-3]`; the captures the draft was trained on come from the draft folder itself
+    (`draft_captures`), else from `<workdir>/02b_hidden_states/manifest.json`;
+    `<workdir>/01c_merged/eval.jsonl` gives the draft vocabulary's coverage of held-out
+    supervised tokens.
     """
+    from eagle3.core.hidden_states import read_capture_layers
     from eagle3.core.records import read_jsonl
-    from eagle3.core.stage import read_manifest
+    from eagle3.core.stage import STAGE_DIRS
     from eagle3.core.target import default_capture_layers, read_target_info
 
     hidden = vocab = expected = None
@@ -256,13 +262,13 @@ def check_draft_for_run(draft_dir: Path, target_dir: Path | None = None,
         hidden, vocab = info.hidden_size, info.vocab_size
         expected = default_capture_layers(info.num_hidden_layers)
     if workdir is not None:
-        manifest = read_manifest(Path(workdir) / "02b_hidden_states") or {}
-        expected = manifest.get("capture_layers") or expected
+        expected = read_capture_layers(workdir) or expected
+    expected = draft_captures(read_draft_config(draft_dir)) or expected  # what it says itself
     problems = check_draft(draft_dir, hidden, vocab, expected, sglang_version)
     if target_dir is not None and is_mla_draft(read_draft_config(draft_dir)):
         problems += [Problem(level, msg) for level, msg in
                      check_mla_against_target(read_draft_config(draft_dir), target_dir)]
-    eval_path = Path(workdir) / "01c_merged" / "eval.jsonl" if workdir is not None else None
+    eval_path = Path(workdir) / STAGE_DIRS["merge"] / "eval.jsonl" if workdir is not None else None
     if eval_path is not None and eval_path.is_file() and not any(
             p.level == "error" for p in problems):
         from eagle3.vocab.mapping import record_origin, regenerated_datasets

@@ -1,4 +1,4 @@
-"""The SGLang-loadable draft folder (PIPELINE.md, "Draft checkpoint").
+"""The SGLang-loadable draft folder (docs/PIPELINE.md, "Draft checkpoint").
 
 Which layer ids config.json names (and which captures each SGLang release reads from them) is
 `eagle3/draft/layers.py`; checking a folder someone else wrote is `eagle3/draft/check.py`.
@@ -14,10 +14,20 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.core.stage import atomic_save_safetensors, atomic_write_json
-from eagle3.draft.layers import describe_layers, layer_ids_for, sglang_capture_layers
+from eagle3.draft.layers import (
+    TRAINED_CAPTURES,
+    describe_layers,
+    layer_ids_for,
+    sglang_capture_layers,
+)
 from eagle3.draft.mla import build_draft_model
-from eagle3.draft.mla_export import (MLA_ARCHITECTURE, eagle31_fields, mla_attention_tensors,
-                                     mla_config, mla_draft_fields)
+from eagle3.draft.mla_export import (
+    MLA_ARCHITECTURE,
+    eagle31_fields,
+    mla_attention_tensors,
+    mla_config,
+    mla_draft_fields,
+)
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 log = logging.getLogger(__name__)
@@ -60,6 +70,7 @@ def sglang_config(cfg: DraftConfig, sglang_version: str | None = None) -> dict:
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": layer_ids_for(cfg.capture_layers, sglang_version),
             "use_aux_hidden_state": True,
+            TRAINED_CAPTURES: list(cfg.capture_layers),
         },
         # EAGLE-3.1 switches, written when on (llama_eagle3.py reads both; default off)
         **{k: v for k, v in eagle31_fields(cfg).items() if v},
@@ -116,6 +127,14 @@ def export_sglang(draft: Eagle3Draft, out_dir: Path, sglang_version: str | None 
     return out_dir
 
 
+def draft_captures(config: dict) -> list[int] | None:
+    """The capture layers a draft folder's config.json says its draft was trained on (the
+    `eagle_config.trained_capture_layers` 04 writes in final/); None for a folder that does not
+    say (a speculators folder, or one written before the key)."""
+    declared = (config.get("eagle_config") or {}).get(TRAINED_CAPTURES)
+    return list(declared) if declared else None
+
+
 def draft_config_from_sglang(config: dict, sglang_version: str = "0.5.13") -> DraftConfig:
     """The DraftConfig of an SGLang draft config.json, captures read as `sglang_version` reads."""
     ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -132,7 +151,7 @@ def draft_config_from_sglang(config: dict, sglang_version: str = "0.5.13") -> Dr
         rms_norm_eps=config["rms_norm_eps"],
         rope_theta=config["rope_theta"],
         max_position_embeddings=config["max_position_embeddings"],
-        capture_layers=sglang_capture_layers(ids, sglang_version),
+        capture_layers=draft_captures(config) or sglang_capture_layers(ids, sglang_version),
         # SGLang reads fc_norm or its older name use_aux_norm; both engines read norm_output
         fc_norm=bool(config.get("fc_norm") or config.get("use_aux_norm")),
         norm_output=bool(config.get("norm_output")),

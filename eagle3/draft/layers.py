@@ -1,7 +1,8 @@
 """Which target layers a draft config's `eagle_aux_hidden_state_layer_ids` make SGLang capture.
 
 SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` from the draft config.json and turns
-them into capture indices (index i = the residual stream entering decoder layer i, PIPELINE.md).
+them into capture indices (index i = the residual stream entering decoder layer i,
+docs/PIPELINE.md).
 The rule changed between releases; `SGLANG_LAYER_RULES` is the one table of it, used by the
 export (04), the draft check (05, reference/) and the docs. Writing "capture index - 1"
 ([1, 29, 57] for captures [2, 30, 58]) names the same captures on every release, as long as the
@@ -12,6 +13,10 @@ unless a release is named.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# The key of a draft config's `eagle_config` that names the captures the draft was trained on
+# (04 writes it; SGLang and vLLM ignore it; eagle3.draft.export.draft_captures reads it).
+TRAINED_CAPTURES = "trained_capture_layers"
 
 
 class LayerIdError(ValueError):

@@ -21,6 +21,7 @@ their sources (SGLang 0.5.23, vLLM 0.32):
 
 from __future__ import annotations
 
+from eagle3.draft.layers import TRAINED_CAPTURES
 from eagle3.draft.model import DraftConfig
 
 MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
@@ -60,7 +61,8 @@ def mla_config(cfg: DraftConfig, sglang_layer_ids: list[int]) -> dict:
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(sglang_layer_ids),
-                         "use_aux_hidden_state": True},
+                         "use_aux_hidden_state": True,
+                         TRAINED_CAPTURES: list(cfg.capture_layers)},
         "eagle_aux_hidden_state_layer_ids": list(cfg.capture_layers),  # vLLM: capture indices
         **eagle31_fields(cfg),
     }

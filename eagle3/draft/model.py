@@ -36,8 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.draft.attention import (StepCache, flex_ttt_attention, merged_flex_attention,
-                                    naive_ttt_attention, store)
+from eagle3.draft.attention import (
+    StepCache,
+    flex_ttt_attention,
+    merged_flex_attention,
+    naive_ttt_attention,
+    store,
+)
 
 DRAFT_ARCHS = ("llama", "mla")
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.core.stage import atomic_save_safetensors, atomic_write_json
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 log = logging.getLogger(__name__)
 

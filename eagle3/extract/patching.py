@@ -28,10 +28,10 @@ import importlib.util
 import logging
 import re
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
 from packaging.version import InvalidVersion, Version
 
 from eagle3.core.stage import atomic_writer

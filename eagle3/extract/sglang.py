@@ -36,15 +36,37 @@ import logging
 import math
 import shutil
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from eagle3.core import hidden_states as hs
-from eagle3.extract import sglang_dump
+from eagle3.core.preflight import raise_on_errors
+from eagle3.core.progress import human_bytes
+from eagle3.core.server import (
+    MODEL_INFO_PATHS,
+    RetryPolicy,
+    ServerError,
+    generate,
+    get_json,
+    get_server_info,
+    wait_ready,
+)
+from eagle3.core.target import TargetInfo
+from eagle3.extract import hf, sglang_dump
+from eagle3.extract.config import ExtractConfig
+from eagle3.extract.dump_server import check_dump_server
+from eagle3.extract.dumps import (
+    Expected,
+    SampleError,
+    check_answer,
+    check_dump_dir,
+    clean_dump_dir,
+    convert_dump,
+    make_rid,
+)
+from eagle3.extract.teacher import maybe_teacher
 from eagle3.extract.writer import (
     FAILURES_FILE,
     ExtractCounts,
@@ -52,67 +74,49 @@ from eagle3.extract.writer import (
     ExtractProgress,
     FailureLog,
     SplitWriter,
-    check_disk,
-    record_meta,
 )
-from eagle3.core.preflight import raise_on_errors
-from eagle3.extract.dump_server import check_dump_server
-from eagle3.core.progress import human_bytes
-from eagle3.core.server import (MODEL_INFO_PATHS, RetryPolicy, ServerError, generate, get_json,
-                                get_server_info, wait_ready)
 
 log = logging.getLogger(__name__)
 
-DUMP_BYTES_PER_TOKEN = 8  # x H: aux [T, 3H] + final [T, H], bf16
 SERVER_FLAGS_RECORDED = ("model_path", "tp_size", "disable_radix_cache", "chunked_prefill_size",
                          "max_prefill_tokens", "enable_mixed_chunk", "cuda_graph_backend_prefill",
                          "disable_piecewise_cuda_graph", "version")
 
 
-class SampleError(Exception):
-    """One record's attempt failed; str() is the reason, `kind: detail`."""
-
-
 @dataclass
-class SglangOptions:
-    """How the client talks to the dump server: 02b's flags of the same names, resolved (their
-    defaults live in 02b's ExtractConfig), plus two settings that are not flags."""
+class ClientTuning:
+    """Client settings that are not flags (the tests shorten them)."""
 
-    server_url: str
-    dump_dir: Path  # the server's EAGLE3_DUMP_DIR, as seen from this machine
-    rid_prefix: str  # the server's EAGLE3_DUMP_RID_PREFIX
-    concurrency: int  # requests in flight; 0 = from the server's prefill token budget
-    workers: int  # threads loading dumps and writing files
-    max_attempts: int  # attempts per record before it goes to failures.jsonl
-    max_failures: int  # stop when more records than this failed (-1 = never)
-    dump_wait_s: float  # how long a dump may lag behind its answer
-    server_wait_s: float  # how long to wait for a server that went down
     poll_s: float = 5.0  # readiness polling while waiting for the server
     # Per-request HTTP retries; a prefill-only request that takes 10 minutes is a hung server.
     retry: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(base_delay_s=0.5, timeout_s=600.0))
 
 
-@dataclass(frozen=True)
-class Expected:
-    """What every dump must look like (from the target's config.json)."""
+def extract(cfg: ExtractConfig, writers: dict[str, SplitWriter], layers: list[int],
+            info: TargetInfo, tuning: ClientTuning | None = None) -> tuple[dict, dict]:
+    """The backend's door: every split; returns (outputs per split, manifest extras)."""
+    verify, teacher = None, maybe_teacher(cfg)
+    if cfg.verify_against_hf:
+        verify = hf.make_verifier(hf.load_model(cfg), layers, cfg.verify_tolerance, teacher)
+    expected = Expected(info.hidden_size, tuple(layers), cfg.target)
+    return asyncio.run(extract_sglang(cfg, expected, writers, verify, teacher,
+                                      tuning or ClientTuning()))
 
-    hidden_size: int
-    capture_layers: tuple[int, ...]
-    target: Path
 
-
-async def extract_sglang(opts: SglangOptions, expected: Expected, dtype: str,
-                         writers: dict[str, SplitWriter], verify_n: int = 0,
-                         verify: Callable | None = None, teacher=None) -> tuple[dict, dict]:
+async def extract_sglang(cfg: ExtractConfig, expected: Expected, writers: dict[str, SplitWriter],
+                         verify: Callable | None = None, teacher=None,
+                         tuning: ClientTuning | None = None) -> tuple[dict, dict]:
     """Every split through the dump server; returns (outputs per split, manifest extras).
 
-    `verify(writer, idxs)`, when given, checks the first `verify_n` records of the first split
-    before the others are sent. `teacher`: the TeacherHead of `--dtype fp8-topk` (the client
-    turns each dump's final state into the stored teacher; eagle3/extract/teacher.py).
+    `verify(writer, idxs)`, when given, checks the first `--verify-against-hf` records of the
+    first split before the others are sent. `teacher`: the TeacherHead of `--dtype fp8-topk`
+    (the client turns each dump's final state into the stored teacher;
+    eagle3/extract/teacher.py).
     """
     outputs, extra = {}, {}
-    async with SglangExtractor(opts, expected, dtype, teacher) as client:
+    verify_n = cfg.verify_against_hf
+    async with SglangExtractor(cfg, expected, teacher, tuning) as client:
         info = await client.preflight(list(writers.values()))
         for k, (split, writer) in enumerate(writers.items()):
             prog = ExtractProgress(writer, f"02b {split}")
@@ -130,109 +134,28 @@ async def extract_sglang(opts: SglangOptions, expected: Expected, dtype: str,
     return outputs, extra
 
 
-def make_rid(prefix: str, record_id: str, attempt: int) -> str:
-    """The request id of a record's attempt: injective, file-system safe, readable."""
-    rid = prefix + urllib.parse.quote(record_id, safe="-_.")
-    return rid if attempt == 0 else f"{rid}+retry{attempt}"  # '+' is encoded in ids
-
-
 def auto_concurrency(info: dict, mean_tokens: float) -> int:
     """Requests in flight to keep ~4 prefill batches of the server queued (8 to 256)."""
     budget = max(info.get("max_prefill_tokens") or 16384, info.get("chunked_prefill_size") or 0)
     return int(min(256, max(8, math.ceil(4 * budget / max(mean_tokens, 1.0)))))
 
 
-def check_answer(answer: dict, rid: str, num_tokens: int) -> None:
-    """The /generate answer of a dump request: whole prompt computed, nothing cached."""
-    meta = answer.get("meta_info") if isinstance(answer, dict) else None
-    if not isinstance(meta, dict):
-        raise SampleError(f"bad answer: no meta_info in {str(answer)[:300]}")
-    if meta.get("cached_tokens", 0):
-        raise ExtractError(f"request {rid}: the server reused {meta['cached_tokens']} cached "
-                           "tokens, whose states are not recomputed and so not dumped. Restart "
-                           "the dump server with --disable-radix-cache")
-    if meta.get("prompt_tokens") != num_tokens:
-        raise SampleError(f"prompt_tokens: the server saw {meta.get('prompt_tokens')} prompt "
-                          f"tokens, the record has {num_tokens} (truncated by the server?)")
-
-
-def check_dump(dump: dict, rid: str, num_tokens: int, expected: Expected, path: Path) -> None:
-    """A dump file's contract; wrong widths or layers are fatal, a short dump is not."""
-    aux, final = dump["aux_hidden_states"], dump["final_hidden_states"]
-    H, K = expected.hidden_size, len(expected.capture_layers)
-    if aux.shape[-1] != K * H or final.shape[-1] != H:
-        hint = (" (one capture: the server captures no aux layers, or another target)"
-                if aux.shape[-1] == H else "")
-        raise ExtractError(
-            f"{path}: aux states are {aux.shape[-1]} wide and the final state {final.shape[-1]}, "
-            f"but {expected.target}/config.json has hidden_size {H}, so {K} captures must be "
-            f"{K} x {H} = {K * H} wide{hint}. The server and --target must be the same model")
-    if list(dump["capture_layers"]) != list(expected.capture_layers):
-        raise ExtractError(f"{path}: the server captured layers {dump['capture_layers']}, "
-                           f"expected {list(expected.capture_layers)}; re-apply the patch "
-                           "(python -m eagle3.extract.patching) and pass matching --capture-layers")
-    if dump["rid"] != rid:
-        raise SampleError(f"wrong dump: {path} holds rid {dump['rid']!r}, expected {rid!r}")
-    if dump["num_tokens"] != num_tokens or aux.shape[0] != num_tokens != final.shape[0]:
-        raise SampleError(f"short dump: {path} holds {dump['num_tokens']} tokens "
-                          f"({aux.shape[0]}/{final.shape[0]} rows), the record {num_tokens}")
-
-
-def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str,
-                 out: Path, teacher=None) -> int:
-    """Load and check a dump, write the record's file, delete the dump; returns bytes written."""
-    try:
-        dump = sglang_dump.load_dump(path)
-    except Exception as e:  # a torn zip, a wrong pickle, a vanished file: all per-sample
-        raise SampleError(f"unreadable dump: {path}: {e!r}"[:500]) from e
-    check_dump(dump, rid, len(rec["input_ids"]), expected, path)
-    H = expected.hidden_size
-    aux = list(dump["aux_hidden_states"].split(H, dim=-1))
-    data = hs.pack(rec["input_ids"], rec["loss_mask"], aux, dump["final_hidden_states"],
-                   record_meta(rec, list(expected.capture_layers)), dtype, teacher)
-    nbytes = hs.save(data, out)
-    path.unlink(missing_ok=True)
-    return nbytes
-
-
-def clean_dump_dir(dump_dir: Path, rid_prefix: str) -> int:
-    """Delete dump files left by an earlier (killed) client; returns how many."""
-    name_prefix = urllib.parse.quote(rid_prefix, safe="-_.")
-    stale = [p for p in dump_dir.glob("*.pt") if p.name.startswith(name_prefix)]
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return len(stale)
-
-
-def check_dump_dir(dump_dir: Path, pending_lengths: list[int], hidden_size: int,
-                   in_flight: int) -> None:
-    """The dump directory exists (the server made it) and holds the dumps in flight."""
-    if not dump_dir.is_dir():
-        raise ExtractError(
-            f"dump directory {dump_dir} does not exist: start the patched server with "
-            f"EAGLE3_DUMP_DIR={dump_dir} on this machine (it creates the directory at start) "
-            "and pass the same path to --dump-dir")
-    longest = sorted(pending_lengths, reverse=True)[:in_flight]
-    need = sum(longest) * DUMP_BYTES_PER_TOKEN * hidden_size
-    check_disk(dump_dir, need, 0.2,
-               f"{len(longest)} dumps in flight, the longest records, {sum(longest):,} tokens x "
-               f"{DUMP_BYTES_PER_TOKEN * hidden_size:,} B",
-               "Lower --concurrency or put EAGLE3_DUMP_DIR on a larger file system")
-
-
 class SglangExtractor:
     """One client session: preflight, then `run_split` for each split."""
 
-    def __init__(self, opts: SglangOptions, expected: Expected, dtype: str, teacher=None):
-        self.opts, self.expected, self.dtype, self.teacher = opts, expected, dtype, teacher
-        self.url = opts.server_url.rstrip("/")
-        self.concurrency = opts.concurrency
+    def __init__(self, cfg: ExtractConfig, expected: Expected, teacher=None,
+                 tuning: ClientTuning | None = None):
+        self.cfg, self.expected, self.teacher = cfg, expected, teacher
+        self.dtype = cfg.dtype
+        self.tuning = tuning or ClientTuning()
+        self.url = cfg.server_url.rstrip("/")
+        self.concurrency = cfg.concurrency
         self.restarts = 0
         self._any_success = False
 
     async def __aenter__(self) -> SglangExtractor:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.opts.workers, "02b-convert")
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.cfg.workers, "02b-convert")
         self._restart_lock = asyncio.Lock()
         return self
 
@@ -250,9 +173,9 @@ class SglangExtractor:
             log.info("concurrency %d: ~4 prefill batches of %s tokens in flight",
                      self.concurrency, info.get("max_prefill_tokens") or 16384)
         self._slots = asyncio.Semaphore(self.concurrency)
-        check_dump_dir(self.opts.dump_dir, lengths, self.expected.hidden_size,
-                       self.concurrency + 2 * self.opts.workers)
-        stale = clean_dump_dir(self.opts.dump_dir, self.opts.rid_prefix)
+        check_dump_dir(self.cfg.dump_dir, lengths, self.expected.hidden_size,
+                       self.concurrency + 2 * self.cfg.workers)
+        stale = clean_dump_dir(self.cfg.dump_dir, self.cfg.rid_prefix)
         if stale:
             log.info("removed %d dump files left by an earlier client", stale)
         return info
@@ -260,7 +183,7 @@ class SglangExtractor:
     async def run_split(self, writer: SplitWriter, prog: ExtractProgress, verify_n: int = 0,
                         verify: Callable | None = None) -> tuple[ExtractCounts, list | None]:
         """Extract every record of the split still without a file; verify the first ones."""
-        failures = FailureLog(writer.root / FAILURES_FILE, self.opts.max_failures)
+        failures = FailureLog(writer.root / FAILURES_FILE, self.cfg.max_failures)
         pending = writer.pending()
         head = [i for i in pending if i < verify_n]
         try:
@@ -291,7 +214,7 @@ class SglangExtractor:
 
         # More tasks than request slots: the extra ones hold answered records whose dumps wait
         # for a conversion thread, so the server never idles behind the client.
-        n_tasks = min(len(idxs), self.concurrency + 2 * self.opts.workers)
+        n_tasks = min(len(idxs), self.concurrency + 2 * self.cfg.workers)
         tasks = [asyncio.create_task(worker()) for _ in range(n_tasks)]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -307,16 +230,16 @@ class SglangExtractor:
                        failures: FailureLog, probe: bool = False) -> None:
         rec = writer.records[idx]
         reasons = []
-        for attempt in range(self.opts.max_attempts):
-            rid = make_rid(self.opts.rid_prefix, rec["id"], attempt)
-            dump = sglang_dump.dump_file_path(self.opts.dump_dir, rid)
+        for attempt in range(self.cfg.max_attempts):
+            rid = make_rid(self.cfg.rid_prefix, rec["id"], attempt)
+            dump = sglang_dump.dump_file_path(self.cfg.dump_dir, rid)
             dump.unlink(missing_ok=True)
             try:
                 nbytes = await self._attempt(rid, dump, rec, writer.path(idx))
             except SampleError as e:
                 reasons.append(str(e))
                 log.warning("record %s (attempt %d/%d): %s", rec["id"], attempt + 1,
-                            self.opts.max_attempts, e)
+                            self.cfg.max_attempts, e)
                 continue
             finally:
                 dump.unlink(missing_ok=True)
@@ -332,12 +255,12 @@ class SglangExtractor:
         ids = rec["input_ids"]
         answer = await self._send(rid, ids)
         check_answer(answer, rid, len(ids))
-        deadline = time.monotonic() + self.opts.dump_wait_s
+        deadline = time.monotonic() + self.cfg.dump_wait_s
         delay = 0.005
         while not dump.exists():  # written before the answer; a network file system may lag
             if time.monotonic() > deadline:
-                free = shutil.disk_usage(self.opts.dump_dir).free
-                raise SampleError(f"missing dump: no {dump} {self.opts.dump_wait_s:.0f}s after "
+                free = shutil.disk_usage(self.cfg.dump_dir).free
+                raise SampleError(f"missing dump: no {dump} {self.cfg.dump_wait_s:.0f}s after "
                                   f"the answer ({human_bytes(free)} free in the dump directory)")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -352,12 +275,12 @@ class SglangExtractor:
             try:
                 async with self._slots:
                     return await generate(self._session, self.url, ids, rid,
-                                          {"max_new_tokens": 1}, self.opts.retry)
+                                          {"max_new_tokens": 1}, self.tuning.retry)
             except ServerError as e:
                 if await self._is_up():
                     raise SampleError(f"server error: {e}"[:500]) from e
                 downs += 1
-                if downs > self.opts.max_attempts:
+                if downs > self.cfg.max_attempts:
                     raise SampleError(f"server down {downs} times during this request") from e
                 await self._wait_for_server()
 
@@ -374,13 +297,13 @@ class SglangExtractor:
                 return
             t0 = time.monotonic()
             log.warning("server %s is not answering; waiting up to %.0fs for it to come back",
-                        self.url, self.opts.server_wait_s)
+                        self.url, self.cfg.server_wait_s)
             try:
-                await wait_ready(self._session, self.url, timeout_s=self.opts.server_wait_s,
-                                 poll_s=self.opts.poll_s, request_timeout_s=30.0)
+                await wait_ready(self._session, self.url, timeout_s=self.cfg.server_wait_s,
+                                 poll_s=self.tuning.poll_s, request_timeout_s=30.0)
             except ServerError:
                 raise ExtractError(f"server {self.url} did not come back within "
-                                   f"{self.opts.server_wait_s:.0f}s; restart it and re-run "
+                                   f"{self.cfg.server_wait_s:.0f}s; restart it and re-run "
                                    "this command (the stage resumes)") from None
             info = await get_server_info(self._session, self.url)
             raise_on_errors(check_dump_server(info), f"restarted dump server {self.url}")
@@ -392,8 +315,8 @@ class SglangExtractor:
         return (
             f"the first request (record {rec['id']}) produced no dump: {reason}. Check that the "
             "server runs a patched SGLang (python -m eagle3.extract.patching --check); was started with "
-            f"EAGLE3_DUMP_DIR={self.opts.dump_dir} (--dump-dir, same machine) and "
-            f"EAGLE3_DUMP_RID_PREFIX unset or {self.opts.rid_prefix!r} (--rid-prefix); and runs "
+            f"EAGLE3_DUMP_DIR={self.cfg.dump_dir} (--dump-dir, same machine) and "
+            f"EAGLE3_DUMP_RID_PREFIX unset or {self.cfg.rid_prefix!r} (--rid-prefix); and runs "
             "no prefill CUDA graph (--disable-piecewise-cuda-graph on SGLang <= 0.5.13, "
             "--cuda-graph-backend-prefill disabled later). The server log says why a pass was "
             "skipped (lines with 'eagle3 dump')")

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from eagle3.core.hidden_states import TOPK_MAX_DRAFT_VOCAB
-from eagle3.vocab.mapping import hot_ids_from_d2t, vocab_sha256
+from eagle3.core.stage import STAGE_DIRS, require_upstream
+from eagle3.vocab.mapping import MAPPING_FILE, hot_ids_from_d2t, vocab_sha256
 
 ROW_BLOCK = 512  # rows per matmul: [512, 163840] float32 logits are 335 MB
 
@@ -81,3 +82,15 @@ def load_teacher_head(target: Path, mapping_path: Path, k: int, device: str,
     d2t = load_file(str(mapping_path))["d2t"]
     head = lm_head_VH if lm_head_VH is not None else load_lm_head(target)
     return TeacherHead(head.detach(), d2t, k, device)
+
+
+def maybe_teacher(cfg, model=None) -> TeacherHead | None:
+    """The TeacherHead of 02b's `--dtype fp8-topk` (None for the other layouts), from the loaded
+    hf model's lm_head when given; `cfg` is 02b's ExtractConfig."""
+    if not cfg.topk:
+        return None
+    vocab = cfg.workdir / STAGE_DIRS["03"]
+    require_upstream(vocab, cfg.allow_partial)
+    head = model.get_output_embeddings().weight if model is not None else None
+    return load_teacher_head(cfg.target, vocab / MAPPING_FILE, cfg.teacher_topk,
+                             cfg.teacher_device or cfg.device, head)

@@ -1,19 +1,12 @@
-"""Stage 02b, shared by both backends: output folders, resume, disk preflight, progress; and the
-`hf` backend (hidden states from an in-process transformers target).
+"""Stage 02b, shared by every backend: output folders, resume, disk preflight, progress, summary.
 
-Output of a split (PIPELINE.md): `<split>/shard_NNNNN/data_<idx>.pt`, idx = the record's line
+Output of a split (docs/PIPELINE.md): `<split>/shard_NNNNN/data_<idx>.pt`, idx = the record's line
 index in the merged split file, each file written atomically; `<split>/index.jsonl` logs
 `{idx, id, tokens, bytes}` once a file is on disk, rewritten in idx order when the split ends
 (the same bytes however the run was batched or killed). Resume is by record id: every existing file
 must hold the record now at its index (checked through the log, or the file's own `meta.id`
 when the log lost its tail to a kill), otherwise the merged split changed under the folder and
 the stage refuses to mix the two.
-
-The `hf` backend runs fixed length-sorted batches (the same batches on every run, whatever was
-already written), so a resumed run writes the same bytes as an uninterrupted one. Batching
-changes float rounding (padding changes the shapes of the kernels), so the files of a batch size
-differ from those of another in the last bf16 bit; `max_batch_size=1` gives each record's own
-forward pass, which is what an SGLang server (or the tests' fake one) computes per request.
 """
 
 from __future__ import annotations
@@ -22,11 +15,8 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from eagle3.core import hidden_states as hs
 from eagle3.core.progress import human_bytes, human_seconds, progress
@@ -271,136 +261,3 @@ def summary_rows(outputs: dict, seconds: float) -> dict:
                         f"{human_bytes(sum(o['written_bytes'] for o in outputs.values()))} in "
                         f"{human_seconds(seconds)}")
     return rows
-
-
-# ---------------------------------------------------------------- hf backend
-
-
-def fixed_batches(lengths: list[int], max_tokens: int, max_batch: int) -> list[list[int]]:
-    """Record indices grouped into padded batches of at most `max_tokens` (longest first)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, cur = [], []
-    for i in order:
-        width = max([lengths[j] for j in cur] + [lengths[i]])
-        if cur and (width * (len(cur) + 1) > max_tokens or len(cur) >= max_batch):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-def extract_hf(model, writers: dict[str, SplitWriter], capture_layers: list[int], dtype: str,
-               max_tokens: int, max_batch: int, teacher=None) -> dict[str, dict]:
-    """Every split with the hf backend; returns the manifest outputs per split. `teacher`: the
-    TeacherHead of the fp8-topk layout (eagle3/extract/teacher.py), None for the others."""
-    outputs = {}
-    for split, writer in writers.items():
-        prog = ExtractProgress(writer, f"02b {split}")
-        counts = extract_split(model, writer, capture_layers, dtype, max_tokens, max_batch, prog,
-                               teacher)
-        prog.close()
-        outputs[split] = {"samples": len(writer.records), **asdict(counts)}
-    return outputs
-
-
-def extract_split(model, writer: SplitWriter, capture_layers: list[int], dtype: str,
-                  max_tokens: int, max_batch: int, prog: ExtractProgress,
-                  teacher=None) -> ExtractCounts:
-    """Write a file for every record of the split still without one; returns the counts."""
-    records, device = writer.records, model.device
-    for batch in fixed_batches([len(r["input_ids"]) for r in records], max_tokens, max_batch):
-        todo = [i for i in batch if i not in writer.done]
-        if not todo:
-            continue
-        width = max(len(records[i]["input_ids"]) for i in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for b, i in enumerate(batch):  # right padding: causal attention never sees it
-            n = len(records[i]["input_ids"])
-            ids[b, :n] = torch.tensor(records[i]["input_ids"])
-            attn[b, :n] = 1
-        # The whole fixed batch runs even when some files exist: same shapes, same bytes.
-        aux, final = hs.capture_hf(model, ids.to(device), attn.to(device), capture_layers)
-        for b, i in enumerate(batch):
-            if i not in todo:
-                continue
-            rec, n = records[i], len(records[i]["input_ids"])
-            data = hs.pack(rec["input_ids"], rec["loss_mask"], [a[b, :n].cpu() for a in aux],
-                           final[b, :n].cpu(), record_meta(rec, capture_layers), dtype, teacher)
-            writer.mark_written(i, n, hs.save(data, writer.path(i)))
-            prog.advance(n, writer.done[i]["bytes"])
-    return writer.close()
-
-
-# ---------------------------------------------------------------- verification against hf
-
-
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12))
-
-
-def _final_rel_err(data: dict, got_final: torch.Tensor | None, ref_final_TH: torch.Tensor,
-                   teacher) -> float:
-    """The stored final state against the reference's (through the same storage); for an
-    fp8-topk file, the stored top-k log-probs against the reference's at the same draft ids."""
-    if got_final is not None:
-        storage = "fp8" if hs.layout_of(data) == "fp8-all" else "bf16"
-        return _rel_err(got_final, hs.stored_value(ref_final_TH, storage))
-    if teacher is None:
-        raise ExtractError("an fp8-topk file can only be verified with its teacher head")
-    got = hs.unpack_teacher(data)
-    x = hs.stored_value(ref_final_TH, "bf16").to(teacher.device, teacher.hot_VdH.dtype)
-    ref_TV = torch.log_softmax((x @ teacher.hot_VdH.T).float(), dim=-1).cpu()
-    return _rel_err(got["logprobs"], ref_TV.gather(-1, got["ids"]))
-
-
-@torch.no_grad()
-def verify_against_hf(model, writer: SplitWriter, idxs: list[int], capture_layers: list[int],
-                      tolerance: float, teacher=None) -> list[dict]:
-    """Compare stored files with the record's own transformers forward; returns one row each.
-
-    The reference goes through the same storage (bf16 or fp8) as the file, so what remains is
-    the server's numerical noise. Each aux tensor must lie closest to its own capture index
-    among the neighbouring ones (a one-layer shift is caught however alike layers are) and
-    within `tolerance` relative L2 error; the final state (or an fp8-topk file's teacher
-    log-probs, with `teacher` its TeacherHead) within `tolerance` too.
-    """
-    rows, bad = [], []
-    for idx in idxs:
-        rec, data = writer.records[idx], hs.load(writer.path(idx))
-        layout = hs.layout_of(data)
-        dtype = "bf16" if layout == "bf16" else "fp8"
-        out = model(input_ids=torch.tensor([rec["input_ids"]], device=model.device),
-                    output_hidden_states=True, use_cache=False).hidden_states
-        layer_inputs = [o[0].cpu() for o in out[:-1]]  # out[-1] is the post-norm final state
-        got_aux, got_final = hs.unpack(data, torch.float32)
-        row = {"idx": idx, "id": rec["id"], "aux_rel_err": [], "nearest_layer": [],
-               "final_rel_err": round(_final_rel_err(data, got_final, out[-1][0].cpu(), teacher),
-                                      6)}
-        for k, layer in enumerate(capture_layers):
-            errs = {c: _rel_err(got_aux[k], hs.stored_value(layer_inputs[c], dtype))
-                    for c in (layer - 1, layer, layer + 1) if 0 <= c < len(layer_inputs)}
-            row["aux_rel_err"].append(round(errs[layer], 6))
-            row["nearest_layer"].append(min(errs, key=errs.get))
-        rows.append(row)
-        log.info("verify %s: aux rel err %s (nearest layers %s, expected %s), final %.2e",
-                 rec["id"], row["aux_rel_err"], row["nearest_layer"], capture_layers,
-                 row["final_rel_err"])
-        if (row["nearest_layer"] != list(capture_layers) or max(row["aux_rel_err"]) > tolerance
-                or row["final_rel_err"] > tolerance):
-            bad.append(row)
-    if bad:
-        raise ExtractError(
-            f"{len(bad)} of {len(rows)} verified samples differ from the transformers forward "
-            f"(tolerance {tolerance}): {bad[:3]}. Nearest layers other than {capture_layers} "
-            "mean the server captures other layers (see python -m eagle3.extract.patching --check); "
-            "a large final error means a pre-norm state or another model")
-    return rows
-
-
-def make_verifier(model, capture_layers: list[int], tolerance: float, teacher=None
-                  ) -> Callable[[SplitWriter, list[int]], list[dict]]:
-    return lambda writer, idxs: verify_against_hf(model, writer, idxs, capture_layers, tolerance,
-                                                  teacher)

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from eagle3.core.chat import ChatRenderer
-from eagle3.generate.jobs import GenerationJob, generated_record
 from eagle3.core.server import RetryPolicy, ServerPool, TransientError, post_once, post_pool_once
+from eagle3.generate.jobs import GenerationJob, generated_record
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,9 @@ class SGLangBackend:
                                 f"is {meta['completion_tokens']}")
         matched = reason.get("matched") if isinstance(reason, dict) else None
         if kind == "stop" and isinstance(matched, int) and output[-1:] != [matched]:
-            # The stop token the target emitted closes the turn and is supervised (PIPELINE.md);
-            # releases that leave it out of output_ids still name it as `matched`.
+            # The stop token the target emitted closes the turn and is supervised
+            # (docs/PIPELINE.md); releases that leave it out of output_ids still name it as
+            # `matched`.
             output = output + [matched]
             self.stats["appended_stop_token"] += 1
         raw = {"id": job.id, "backend": self.name, "output_ids": output, "finish_reason": kind,

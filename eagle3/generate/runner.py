@@ -28,8 +28,6 @@ from typing import Iterator
 
 import aiohttp
 
-from eagle3.generate.jobs import GenerationJob, RecordSink
-from eagle3.generate.backends import RecordFailure
 from eagle3.core.server import (
     RetryPolicy,
     ServerError,
@@ -39,6 +37,8 @@ from eagle3.core.server import (
     make_session,
     wait_ready,
 )
+from eagle3.generate.backends import RecordFailure
+from eagle3.generate.jobs import GenerationJob, RecordSink
 
 log = logging.getLogger(__name__)
 

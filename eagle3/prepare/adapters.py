@@ -1,4 +1,4 @@
-"""Adapters: rows of public dataset schemas -> OpenAI-shaped messages (PIPELINE.md, "Records").
+"""Adapters: rows of public dataset schemas -> OpenAI-shaped messages (docs/PIPELINE.md, "Records").
 
 Each adapter takes one source row (a dict) and returns `(messages, tools)` or raises RecordError
 whose message starts with the kind of problem (`missing field: ...`). Shared clean-up (tool

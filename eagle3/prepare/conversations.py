@@ -21,9 +21,9 @@ import hashlib
 import json
 import re
 
-from eagle3.prepare.adapters import ADAPTERS, parse_json_field
 from eagle3.core.chat import split_for_generation
 from eagle3.core.records import RecordError
+from eagle3.prepare.adapters import ADAPTERS, parse_json_field
 from eagle3.prepare.validate import check_id
 
 MODES = ("keep", "regenerate", "prompt_only")

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.core.chat import ChatRenderer, RenderError, Sample, split_for_generation
-from eagle3.prepare.conversations import to_conversation
 from eagle3.core.progress import progress
-from eagle3.prepare.recipes import DatasetSpec
 from eagle3.core.records import RecordError, TokenizedRecord
-from eagle3.prepare.sources import RawRow, parse_row, raw_for_quarantine
 from eagle3.core.stage import atomic_write_bytes, atomic_write_json, atomic_writer
+from eagle3.prepare.conversations import to_conversation
+from eagle3.prepare.recipes import DatasetSpec
+from eagle3.prepare.sources import RawRow, parse_row, raw_for_quarantine
 from eagle3.prepare.validate import check_depth, check_values, min_tokens
 
 log = logging.getLogger(__name__)

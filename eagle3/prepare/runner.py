@@ -26,6 +26,9 @@ from typing import Iterator
 import numpy as np
 
 from eagle3.core.chat import ChatRenderer
+from eagle3.core.progress import progress
+from eagle3.core.stage import atomic_write_json
+from eagle3.prepare.recipes import DatasetSpec
 from eagle3.prepare.rows import (
     RowContext,
     assemble,
@@ -34,11 +37,8 @@ from eagle3.prepare.rows import (
     process_chunk,
     remove_parts,
 )
-from eagle3.core.progress import progress
-from eagle3.prepare.recipes import DatasetSpec
 from eagle3.prepare.sources import RowSource, describe
 from eagle3.prepare.validate import max_token_chars
-from eagle3.core.stage import atomic_write_json
 
 log = logging.getLogger(__name__)
 

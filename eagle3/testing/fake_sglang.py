@@ -1,4 +1,4 @@
-"""A fake SGLang server for tests and benchmarks: the `/generate` contract of PIPELINE.md, plus
+"""A fake SGLang server for tests and benchmarks: the `/generate` contract of docs/PIPELINE.md, plus
 `/v1/chat/completions`, readiness endpoints and injectable faults.
 
 Answers are a pure function of the request (`fake_output`), so a test knows the exact tokens a

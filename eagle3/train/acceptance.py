@@ -24,7 +24,7 @@ prefill would) starts a walk at the position before it; a round runs while the p
 and the one after it are in the span, as 05 decodes while its budget has a token left. Draft
 tokens past the span's end are checked where the record holds the target's states, as the
 evaluator does. Beside the estimate: the loop share of the spans' text and the acceptance over
-the rounds before each span's first loop (eagle3/bench/loops.py), the share of supervised
+the rounds before each span's first loop (eagle3/core/loops.py), the share of supervised
 tokens that are the target's greedy choice (1.0 for data the target wrote greedily) and the
 share of the target's greedy choices inside the draft vocabulary.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.bench.loops import loop_mask, rounds_before_loop
+from eagle3.core.loops import loop_mask, rounds_before_loop
 
 CHUNK_ROWS = 16384
 # Sums kept per evaluation (one tensor, so ranks reduce it in one collective).

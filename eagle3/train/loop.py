@@ -26,96 +26,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3.core.cli import config_dict
+from eagle3.draft.mla import build_draft_model
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.train import distributed
 from eagle3.train.acceptance import AcceptanceEstimate
 from eagle3.train.checkpoint import check_data_position, load_latest, save_checkpoint, set_rng_state
-from eagle3.core.cli import UpstreamStageFlags, arg, config_dict
-from eagle3.train.data import (DevicePrefetcher, PackedRows, RunPlan, build_plan, list_files,
-                         make_loader, pack_epoch, row_width)
+from eagle3.train.config import TrainConfig, build_draft_config
+from eagle3.train.data import (
+    DevicePrefetcher,
+    PackedRows,
+    RunPlan,
+    build_plan,
+    list_files,
+    make_loader,
+    pack_epoch,
+    row_width,
+)
 from eagle3.train.distributed import DistInfo
-from eagle3.draft.mla import build_draft_model, mla_draft_config, read_mla_dims
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.train.fp8 import refresh_fp8_weights, use_fp8_gemms
+from eagle3.train.fp8 import resolve_mode as resolve_fp8
+from eagle3.train.guards import raise_if_gradient_missing, raise_if_nonfinite
 from eagle3.train.log import MetricsLog, metrics_line
-from eagle3.train.guards import (raise_if_gradient_missing,
-                                  raise_if_nonfinite)
-from eagle3.train.fp8 import (MODES as FP8_MODES, refresh_fp8_weights, resolve_mode as resolve_fp8,
-                              use_fp8_gemms)
-from eagle3.train.teacher import TOPK_MODES
 from eagle3.train.optimizer import build_optimizer, clip_gradients
-from eagle3.train.ttt import UNROLLS, TTTModel, num_stats, stats_dict
+from eagle3.train.ttt import TTTModel, num_stats, stats_dict
 
 __all__ = ["TrainConfig", "lr_at", "train", "build_draft", "build_draft_config", "list_files"]
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainConfig(UpstreamStageFlags):
-    target: Path = arg(help="target model folder (config.json, embedding and lm_head tensors)")
-    ttt_steps: int = arg(7, "training-time-test unroll length (draft steps per anchor)")
-    step_weight: float = arg(0.8, "loss weight of step k is step_weight**k")
-    epochs: int = arg(1, "passes over the train split")
-    max_seq_len: int = arg(8192, "samples are truncated to this many tokens")
-    pack_tokens: int = arg(0, "tokens per packed micro-batch row (0 = the longest sample, at "
-                              "most --max-seq-len), rounded up to a multiple of 128")
-    grad_accum: int = arg(1, "micro-batches (packed rows) per optimizer step and rank")
-    lr: float = arg(1e-4, "peak learning rate")
-    min_lr_ratio: float = arg(0.1, "final learning rate as a share of --lr (cosine floor)")
-    warmup_steps: int = arg(-1, "linear warmup steps (-1 = 3%% of all steps)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(0.5, "gradient clipping norm")
-    num_attention_heads: int = arg(0, "draft heads (0 = the target's)")
-    num_key_value_heads: int = arg(0, "draft kv heads (0 = same as heads)")
-    head_dim: int = arg(0, "draft head dim (0 = hidden / heads)")
-    intermediate_size: int = arg(0, "draft MLP width (0 = the target's intermediate_size)")
-    draft_arch: str = arg("llama", "draft attention: llama (GQA, LlamaForCausalLMEagle3) or mla "
-                                   "(the target's multi-latent attention sizes, "
-                                   "Eagle3DeepseekV2ForCausalLM)", choices=["llama", "mla"])
-    fc_norm: bool = arg(False, "EAGLE-3.1: RMSNorm each aux state before fc")
-    norm_output: bool = arg(False, "EAGLE-3.1: the next draft step reads the normed output")
-    eval_every: int = arg(100, "evaluate the eval split every N steps (and at the end)")
-    max_eval_samples: int = arg(256, "eval samples per evaluation")
-    save_every: int = arg(500, "checkpoint every N steps (and at the end)")
-    keep_latest: int = arg(2, "checkpoints kept")
-    log_every: int = arg(10, "log a line every N steps")
-    num_workers: int = arg(2, "background data-loading processes per rank (0 = main process)")
-    seed: int = arg(0, "seed of the init and the data order")
-    device: str = arg("cpu", "torch device: cpu, or cuda (each torchrun rank takes its GPU)")
-    precision: str = arg("auto", "bf16 autocast or fp32; auto = bf16 on cuda, fp32 on cpu",
-                         choices=["auto", "bf16", "fp32"])
-    attention: str = arg("auto", "TTT attention: flex (fused kernel, CUDA) or naive "
-                                 "(materialised scores); auto = flex on cuda, naive on cpu",
-                         choices=["auto", "flex", "naive"])
-    compile: bool | None = arg(None, "torch.compile the TTT forward (the first steps compile; "
-                                     "None = on for cuda, off for cpu; --no-compile = eager)")
-    ttt_unroll: str = arg("shared", "shared: the embedding half of the attention's input "
-                                    "projections once per batch and flex attention over step "
-                                    "0's keys with the later steps' merged in (14%% fewer "
-                                    "FLOPs at Kimi-K2.5 size); per-step: each step's in full, "
-                                    "keys concatenated (the same logits; for comparison)",
-                          choices=list(UNROLLS))
-    fp8_gemm: str = arg("off", "the draft's linear layers but lm_head train with FP8 GEMMs "
-                               "(e4m3, per-row scales; eagle3/train/fp8.py); experimental: its "
-                               "only H200 run (1.27x the per-step bf16 step) trained on stale "
-                               "weight copies, fixed since, not re-measured there, and its "
-                               "effect on acceptance is unmeasured (BENCHMARKS.md); auto = on "
-                               "for CUDA GPUs with FP8, off on CPU; eval and the exported draft "
-                               "stay bf16",
-                        choices=list(FP8_MODES))
-    tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
-    sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
-                                           "capture layers whose first index is not 2)")
-    topk_teacher: str = arg("renorm", "files storing a top-k teacher (02b --dtype fp8-topk): "
-                                      "renorm = top-k renormalised to 1; tail = the rest of "
-                                      "the mass as one bucket", choices=list(TOPK_MODES))
-
-    def __post_init__(self) -> None:
-        if self.ttt_steps < 1:
-            raise ValueError("--ttt-steps must be >= 1")
-        if self.grad_accum < 1 or self.epochs < 1:
-            raise ValueError("--grad-accum and --epochs must be >= 1")
-        for name in ("eval_every", "save_every", "log_every", "keep_latest"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
 def lr_at(step: int, num_steps: int, peak: float, warmup: int, min_ratio: float) -> float:
@@ -129,29 +66,6 @@ def lr_at(step: int, num_steps: int, peak: float, warmup: int, min_ratio: float)
 
 
 # ---------------------------------------------------------------- assembly
-
-
-def build_draft_config(cfg: TrainConfig, info, draft_vocab: int, capture_layers) -> DraftConfig:
-    heads = cfg.num_attention_heads or info.num_attention_heads
-    base = DraftConfig(
-        hidden_size=info.hidden_size,  # serving reuses the target's embedding: same width
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.num_key_value_heads or heads,
-        head_dim=cfg.head_dim or info.hidden_size // heads,
-        intermediate_size=cfg.intermediate_size or info.intermediate_size,
-        vocab_size=info.vocab_size,
-        draft_vocab_size=draft_vocab,
-        target_hidden_size=info.hidden_size,
-        rms_norm_eps=info.rms_norm_eps,
-        rope_theta=info.rope_theta,
-        max_position_embeddings=info.max_position_embeddings,
-        capture_layers=list(capture_layers),
-        fc_norm=cfg.fc_norm,
-        norm_output=cfg.norm_output,
-    )
-    # the MLA draft takes the target's own MLA sizes (Kimi-K2.5: kv 512, q 1536, rope 64, 64 heads)
-    return base if cfg.draft_arch != "mla" else mla_draft_config(
-        base, read_mla_dims(cfg.target), cfg.num_attention_heads)
 
 
 def build_draft(dcfg: DraftConfig, seed: int, d2t, t2d) -> Eagle3Draft:

@@ -17,14 +17,15 @@ the report gives it apart, and warns when dataset-written text chose part of the
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from eagle3.core.records import read_jsonl
+from eagle3.core.stage import STAGE_DIRS, read_manifest
 
+MAPPING_FILE = "vocab_mapping.safetensors"  # 03's output, in 03_vocab/
 ORIGINS = ("target", "dataset", "unknown")
 
 COVERAGE_SIZES = (8192, 16384, 32768, 65536)
@@ -36,10 +37,10 @@ class VocabError(ValueError):
 
 def regenerated_datasets(workdir: Path) -> dict[str, bool]:
     """{dataset: regenerated} from `<workdir>/01b_generated/manifest.json` ({} without one)."""
-    path = Path(workdir) / "01b_generated" / "manifest.json"
-    if not path.is_file():
+    manifest = read_manifest(Path(workdir) / STAGE_DIRS["01b"])
+    if manifest is None:
         return {}
-    datasets = json.loads(path.read_text()).get("outputs", {}).get("datasets", {})
+    datasets = manifest.get("outputs", {}).get("datasets", {})
     return {name: bool(c.get("regenerate")) for name, c in datasets.items()}
 
 

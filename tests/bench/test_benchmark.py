@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bench_fake_server import FakeBenchServer, fake_output_ids, verify_count
-from eagle3.bench.run import (LoadSettings, RequestRecord, combine, measure_server,
-                              merge_stream_ids, percentile, summarize_level)
+
+from eagle3.bench.measure import LoadSettings, RequestRecord, combine, percentile, summarize_level
+from eagle3.bench.prompts import BUILTIN_SETS, PromptSet, load_prompt_set
 from eagle3.bench.report import report_markdown
+from eagle3.bench.sglang import measure_server, merge_stream_ids
 from eagle3.core.launcher import LaunchedServer, LaunchError, sglang_command
 from eagle3.core.preflight import PreflightError
-from eagle3.bench.prompts import BUILTIN_SETS, PromptSet, load_prompt_set
 
 TESTS = Path(__file__).resolve().parents[1]
 SPEC_INFO = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
@@ -126,9 +126,9 @@ def test_measure_server_has_no_ttft_when_not_streaming():
 @pytest.fixture(scope="module")
 def tiny_draft(tiny_target_dir, tmp_path_factory) -> Path:
     """An untrained draft for the tiny target, exported as SGLang loads it."""
-    from eagle3.draft.model import DraftConfig, Eagle3Draft
-    from eagle3.draft.export import export_sglang
     from eagle3.core.target import default_capture_layers, read_target_info
+    from eagle3.draft.export import export_sglang
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
 
     info = read_target_info(tiny_target_dir)
     cfg = DraftConfig(hidden_size=info.hidden_size, num_attention_heads=4, num_key_value_heads=4,
@@ -260,8 +260,8 @@ def test_sglang_command_refuses_a_port_in_launch_args():
 
 
 def test_builtin_prompt_sets_render_with_the_target_template(tokenizer):
-    from eagle3.core.chat import ChatRenderer
     from eagle3.bench.prompts import prompt_set_path
+    from eagle3.core.chat import ChatRenderer
 
     renderer = ChatRenderer(tokenizer)
     for name in BUILTIN_SETS:

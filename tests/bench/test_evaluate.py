@@ -10,11 +10,18 @@ from collections import Counter
 import pytest
 import torch
 
-from eagle3.draft.model import DraftConfig, Eagle3Draft
-from eagle3.bench.evaluate import (Eagle3Proposer, OracleProposer, TargetRunner,
-                             autoregressive_decode, greedy_decode, speculative_chain,
-                             speculative_decode, verify_sampled)
+from eagle3.bench.evaluate import (
+    Eagle3Proposer,
+    OracleProposer,
+    TargetRunner,
+    autoregressive_decode,
+    greedy_decode,
+    speculative_chain,
+    speculative_decode,
+    verify_sampled,
+)
 from eagle3.core.target import load_embedding
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 
 PROMPTS = [[543, 82, 88, 431, 68, 76, 546, 56], [544, 84, 82, 263, 546, 100, 101, 102, 540, 545]]
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3.bench.run import offline_summary, sampling_generator
+from eagle3.bench.hf import offline_summary, sampling_generator
 
 
 def _result(output_ids, accept_lengths, seconds=1.0, round_contexts=None):

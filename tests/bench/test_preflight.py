@@ -3,15 +3,17 @@ settings that bias the comparison are warned about."""
 
 from __future__ import annotations
 
-from eagle3.bench.preflight import (check_baseline_server, check_server_pair,
-                                    check_speculative_server, check_streaming)
+from eagle3.bench.preflight import (
+    check_baseline_server,
+    check_server_pair,
+    check_speculative_server,
+    check_streaming,
+)
+from eagle3.core.presets import draft_fields
 from eagle3.draft.export import sglang_config
 from eagle3.draft.model import DraftConfig
 
-KIMI = DraftConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
-                   head_dim=112, intermediate_size=18432, vocab_size=163840,
-                   draft_vocab_size=32000, target_hidden_size=7168,
-                   max_position_embeddings=262144, capture_layers=[2, 30, 58])
+KIMI = DraftConfig(**draft_fields("kimi-k2.5"), max_position_embeddings=262144)
 
 
 def kimi_config() -> dict:

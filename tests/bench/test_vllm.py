@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.bench.vllm import (SpecCounters, acceptance_figures, check_vllm_layers,
-                               logged_capture_layers, parse_spec_metrics, speculative_config,
-                               vllm_capture_layers, vllm_command)
+from eagle3.bench.vllm import (
+    SpecCounters,
+    acceptance_figures,
+    logged_capture_layers,
+    parse_spec_metrics,
+    speculative_config,
+    vllm_command,
+)
+from eagle3.draft.check_vllm import check_vllm_layers, vllm_capture_layers
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -119,15 +125,15 @@ def _write_04_manifest(workdir: Path, args: dict) -> None:
                                          ({"draft_arch": "mla"}, "final"),
                                          ({"lr": 1e-3}, "final_speculators")])  # before the flag
 def test_default_vllm_draft_is_the_folder_04_wrote_for_its_architecture(tmp_path, args, folder):
-    from eagle3.bench.vllm import default_vllm_draft
+    from eagle3.draft.check_vllm import default_vllm_draft
 
     _write_04_manifest(tmp_path, args)
     assert default_vllm_draft(tmp_path) == tmp_path / "04_train" / folder
 
 
 def test_default_vllm_draft_without_04s_manifest_asks_for_draft(tmp_path):
-    from eagle3.bench.vllm import default_vllm_draft
     from eagle3.core.stage import StageError
+    from eagle3.draft.check_vllm import default_vllm_draft
 
     with pytest.raises(StageError, match="--draft"):
         default_vllm_draft(tmp_path)
@@ -136,11 +142,13 @@ def test_default_vllm_draft_without_04s_manifest_asks_for_draft(tmp_path):
 def test_05_vllm_check_only_serves_an_mla_run_from_final(tmp_path, monkeypatch, capsys):
     import importlib
 
+    from eagle3.bench import vllm
+
     bench = importlib.import_module("05_benchmark")
     _write_04_manifest(tmp_path, {"draft_arch": "mla"})
     (tmp_path / "target").mkdir()
     seen = []
-    monkeypatch.setattr(bench, "check_vllm_draft",
+    monkeypatch.setattr(vllm, "check_vllm_draft",
                         lambda draft, target, workdir: seen.append(draft) or ([], "-", None))
     assert bench.main(["--workdir", str(tmp_path), "--target", str(tmp_path / "target"),
                        "--backend", "vllm", "--steps", "3", "--check-only"]) == 0

@@ -168,7 +168,7 @@ def test_deepseek_v3_vllm_target_serves_greedy_outputs_equal_to_transformers(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3.bench.run import LoadSettings, run_level
+    from eagle3.bench.measure import LoadSettings, run_level
     from eagle3.bench.vllm import READY_PATHS, completion_sender, vllm_command
     from eagle3.core.launcher import LaunchedServer
     from eagle3.tiny.target import TinyTargetConfig, make_tiny_target

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from extract_helpers import write_merged
 
 HIDDEN = 64  # the tiny target's hidden size (eagle3.tiny.target)

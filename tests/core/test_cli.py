@@ -26,7 +26,7 @@ def test_stage_config_inherits_the_shared_flags_with_their_defaults(script):
 
 
 def test_stage_flags_parse_to_the_declared_defaults():
-    from eagle3.train.loop import TrainConfig
+    from eagle3.train.config import TrainConfig
 
     ns = build_parser(TrainConfig).parse_args(["--target", "t"])
     assert (ns.workdir, ns.force, ns.log_level, ns.allow_partial) == (

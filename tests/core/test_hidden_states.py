@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eagle3.core import hidden_states as hs
-from eagle3.extract.teacher import TeacherHead
 from eagle3.core.records import read_jsonl
+from eagle3.extract.teacher import TeacherHead
 from eagle3.train.loop import list_files
 
 

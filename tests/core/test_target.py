@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from dataset_helpers import code_shipping_target
 from safetensors.torch import save_file
 
-from dataset_helpers import code_shipping_target
 from eagle3.core import target as target_mod
 from eagle3.core.target import TargetError, load_embedding, load_lm_head, read_target_info
 

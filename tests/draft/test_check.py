@@ -10,17 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.draft.model import DraftConfig, Eagle3Draft
-from eagle3.draft.export import export_sglang
 from eagle3.core.preflight import PreflightError
+from eagle3.core.presets import draft_fields
 from eagle3.draft.check import check_draft, check_vocab_coverage, load_t2d, read_tensor_shapes
+from eagle3.draft.export import export_sglang
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 
-# Kimi-K2.5: hidden 7168, 64 heads, vocab 163840, 61 layers -> captures [2, 30, 58]; the draft
-# as 04 builds it by default (64 heads x 112, MLP 18432) with a 32000-id draft vocabulary.
-KIMI = DraftConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
-                   head_dim=112, intermediate_size=18432, vocab_size=163840,
-                   draft_vocab_size=32000, target_hidden_size=7168,
-                   max_position_embeddings=262144, capture_layers=[2, 30, 58])
+# Kimi-K2.5: hidden 7168, vocab 163840, 61 layers -> captures [2, 30, 58]; the draft of
+# `04_train.py --preset kimi-k2.5` (64 heads x 128, MLP 12288), a 32000-id draft vocabulary.
+KIMI = DraftConfig(**draft_fields("kimi-k2.5"), max_position_embeddings=262144)
 KIMI_CAPTURES = [2, 30, 58]
 DTYPE_BYTES = {"BF16": 2, "I64": 8, "BOOL": 1, "I32": 4}
 
@@ -128,9 +126,9 @@ def test_check_draft_names_the_misnamed_copy_when_a_prefix_is_added(tmp_path):
 
 def test_check_draft_refuses_a_weight_when_its_shape_is_wrong(tmp_path):
     tensors = kimi_tensors()
-    tensors["midlayer.self_attn.q_proj.weight"] = ("BF16", (7168, 7168))  # 1H input, not 2H
+    tensors["midlayer.self_attn.q_proj.weight"] = ("BF16", (8192, 7168))  # 1H input, not 2H
     (msg,) = errors(check_kimi(make_draft(tmp_path, tensors=tensors)))
-    assert "[7168, 7168]" in msg and "[7168, 14336]" in msg
+    assert "[8192, 7168]" in msg and "[8192, 14336]" in msg
 
 
 def test_check_draft_refuses_d2t_when_its_length_differs_from_draft_vocab(tmp_path):

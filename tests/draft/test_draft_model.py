@@ -14,13 +14,17 @@ import math
 
 import pytest
 import torch
+from draft_helpers import (
+    ChainReference,
+    assert_unroll_matches,
+    llama_draft,
+    masked_math_flex,
+    packed_row,
+)
 
 from eagle3.draft.attention import FLEX_BLOCK, StepCache, TTTMasks
 from eagle3.draft.model import Eagle3Draft
 from eagle3.train.ttt import SoftCrossEntropy, TTTModel
-
-from draft_helpers import (ChainReference, assert_unroll_matches, llama_draft, masked_math_flex,
-                           packed_row)
 
 H, HEADS, KV_HEADS, D, INTER, VT, VD, K = 32, 4, 2, 8, 48, 60, 24, 4
 

@@ -6,22 +6,21 @@ import json
 
 from safetensors import safe_open
 
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.core.presets import draft_fields
 from eagle3.draft.export import CONFIG_KEYS, expected_tensors, export_sglang, load_draft
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 
-PIPELINE_CONFIG_KEYS = {  # PIPELINE.md, "Draft checkpoint"
+PIPELINE_CONFIG_KEYS = {  # docs/PIPELINE.md, "Draft checkpoint"
     "architectures", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size",
     "num_hidden_layers", "tie_word_embeddings", "draft_vocab_size", "target_hidden_size",
     "eagle_config"}
-# Needed by transformers' AutoConfig / SGLang's LlamaMLP beyond the PIPELINE.md list.
+# Needed by transformers' AutoConfig / SGLang's LlamaMLP beyond the docs/PIPELINE.md list.
 LOADER_KEYS = {"model_type", "hidden_act", "torch_dtype"}
 
 
 def _kimi_cfg(**kw) -> DraftConfig:
-    base = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
-                intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000,
-                target_hidden_size=7168, capture_layers=[2, 30, 58])
+    base = draft_fields("kimi-k2.5")
     base.update(kw)
     return DraftConfig(**base)
 
@@ -47,7 +46,8 @@ def test_export_has_exactly_the_pipeline_keys_and_tensors(tmp_path):
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert config["vocab_size"] == 500 and config["draft_vocab_size"] == 100
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
-                                      "use_aux_hidden_state": True}
+                                      "use_aux_hidden_state": True,
+                                      "trained_capture_layers": [2, 4, 5]}
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         assert f.get_tensor("d2t").dtype.is_floating_point is False

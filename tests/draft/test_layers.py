@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.draft.layers import (LayerIdError, SGLANG_LAYER_RULES, describe_layers, layer_ids_for,
-                                 rule_for, sglang_capture_layers)
+from eagle3.draft.layers import (
+    SGLANG_LAYER_RULES,
+    LayerIdError,
+    describe_layers,
+    layer_ids_for,
+    rule_for,
+    sglang_capture_layers,
+)
 
 
 def test_layer_ids_name_the_capture_layers_on_every_sglang_release():

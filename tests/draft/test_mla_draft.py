@@ -15,14 +15,26 @@ import math
 
 import pytest
 import torch
+from draft_helpers import (
+    HEADS,
+    KVL,
+    NOPE,
+    ROPE,
+    VD,
+    VT,
+    ChainReference,
+    H,
+    V,
+    assert_unroll_matches,
+    masked_math_flex,
+    mla_draft,
+    packed_row,
+)
 
-from eagle3.draft.mla import mla_draft_config, read_mla_dims
 from eagle3.draft.attention import FLEX_BLOCK
+from eagle3.draft.mla import mla_draft_config, read_mla_dims
 from eagle3.draft.model import DraftConfig
 from eagle3.train.ttt import TTTModel
-
-from draft_helpers import (H, HEADS, KVL, NOPE, ROPE, V, VD, VT, ChainReference,
-                           assert_unroll_matches, masked_math_flex, mla_draft, packed_row)
 
 K = 4
 

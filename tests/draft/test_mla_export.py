@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from draft_helpers import HEADS, INTER, KVL, NOPE, QL, ROPE, VD, VT, H, V, llama_draft, mla_draft
 from safetensors.torch import load_file
 
 from eagle3.draft.check import check_draft
@@ -21,8 +22,6 @@ from eagle3.draft.check_mla import check_mla_against_target
 from eagle3.draft.export import export_sglang, load_draft
 from eagle3.draft.model import Eagle3Draft
 from eagle3.draft.speculators import speculators_config
-
-from draft_helpers import H, HEADS, INTER, KVL, NOPE, QL, ROPE, V, VD, VT, llama_draft, mla_draft
 
 
 def sglang_mla_params(fc_norm: bool) -> dict[str, tuple]:

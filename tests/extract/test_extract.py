@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from stage_helpers import assert_same_folder
 from extract_helpers import (
     STAGE,
     assert_same_outputs,
@@ -17,11 +16,13 @@ from extract_helpers import (
     main_02b,
     write_merged,
 )
+from stage_helpers import assert_same_folder
 
-from eagle3.extract import writer as extract
 from eagle3.core import hidden_states as hs
-from eagle3.extract.writer import ExtractError, SplitWriter, check_output_disk, fixed_batches
 from eagle3.core.records import read_jsonl
+from eagle3.extract import writer as extract
+from eagle3.extract.hf import fixed_batches
+from eagle3.extract.writer import ExtractError, SplitWriter, check_output_disk
 
 
 def _hf(workdir: Path, target: Path, *extra: str) -> int:

@@ -27,19 +27,20 @@ from extract_helpers import (
 )
 from fake_dump_server import FakeDumpServer, Faults
 
-from eagle3.extract.writer import ExtractError, SplitWriter
+from eagle3.core.preflight import PreflightError
+from eagle3.core.records import read_jsonl
+from eagle3.core.server import RetryPolicy
+from eagle3.core.target import default_capture_layers, read_target_info
+from eagle3.extract.config import ExtractConfig
 from eagle3.extract.sglang import (
+    ClientTuning,
     Expected,
-    SglangOptions,
     auto_concurrency,
     check_answer,
     extract_sglang,
     make_rid,
 )
-from eagle3.core.preflight import PreflightError
-from eagle3.core.records import read_jsonl
-from eagle3.core.server import RetryPolicy
-from eagle3.core.target import default_capture_layers, read_target_info
+from eagle3.extract.writer import ExtractError, SplitWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,13 +88,13 @@ def make_server(target_model, layers, tmp_path):
         server.close()
 
 
-def _options(server: FakeDumpServer, **kw) -> SglangOptions:
-    """02b's flag defaults (ExtractConfig) for a library-level run against `server`."""
-    module = __import__("02b_extract_hidden_states_sglang")
-    cfg = module.ExtractConfig(target=Path("unused"), dump_dir=server.dump_config.dump_dir,
-                               server_url=server.url)
-    fields = {k: v for k, v in vars(module.sglang_options(cfg)).items() if k not in kw}
-    return SglangOptions(**{**fields, **kw})
+def _options(server: FakeDumpServer, poll_s: float, retry: RetryPolicy,
+             **kw) -> tuple[ExtractConfig, ClientTuning]:
+    """02b's flag defaults (ExtractConfig) with `kw` for a library-level run against `server`,
+    and the client's tuning."""
+    cfg = ExtractConfig(target=Path("unused"), dump_dir=server.dump_config.dump_dir,
+                        server_url=server.url, **kw)
+    return cfg, ClientTuning(poll_s=poll_s, retry=retry)
 
 
 def run_client(workdir: Path, target: Path, server: FakeDumpServer, *extra: str) -> int:
@@ -159,12 +160,14 @@ def test_extract_sglang_writes_identical_files_when_dumps_are_missing_truncated_
     assert not (faults.drop_dump_once or faults.truncate_dump_once or faults.mixed_chunk_once)
 
 
-def _library_run(workdir: Path, target: Path, opts: SglangOptions, layers) -> tuple:
+def _library_run(workdir: Path, target: Path, opts: tuple[ExtractConfig, ClientTuning],
+                 layers) -> tuple:
+    cfg, tuning = opts
     hidden = read_target_info(target).hidden_size
     writers = {s: SplitWriter(workdir / STAGE / s, list(read_jsonl(
         workdir / "01c_merged" / f"{s}.jsonl"))) for s in ("train", "eval")}
-    return asyncio.run(extract_sglang(opts, Expected(hidden, tuple(layers), target), "bf16",
-                                      writers))
+    return asyncio.run(extract_sglang(cfg, Expected(hidden, tuple(layers), target), writers,
+                                      tuning=tuning))
 
 
 def test_extract_sglang_writes_identical_files_when_server_restarts_mid_run(

@@ -20,9 +20,7 @@ from typing import Optional
 
 import pytest
 
-from eagle3.extract import patching
-
-from eagle3.extract import sglang_dump
+from eagle3.extract import patching, sglang_dump
 from eagle3.extract.patching import UnsupportedSglangError
 
 ROOT = Path(__file__).resolve().parents[2]

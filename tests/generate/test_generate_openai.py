@@ -14,10 +14,10 @@ import urllib.request
 import pytest
 
 from eagle3.core.chat import ChatRenderer, split_for_generation
-from eagle3.generate.jobs import GenerationJob
-from eagle3.generate.backends import OpenAIBackend, RecordFailure
 from eagle3.core.records import read_jsonl
 from eagle3.core.server import RetryPolicy, ServerPool
+from eagle3.generate.backends import OpenAIBackend, RecordFailure
+from eagle3.generate.jobs import GenerationJob
 from eagle3.testing.conversations import synthetic_conversations, write_prepared_stage
 from eagle3.testing.fake_sglang import FakeSGLang
 

@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from stage_helpers import assert_same_folder
 
 from eagle3.core.chat import split_for_generation
-from eagle3.generate.jobs import GenerationJob
-from eagle3.generate.backends import RecordFailure, SGLangBackend
 from eagle3.core.records import read_jsonl
 from eagle3.core.server import RetryPolicy, ServerPool, TransientError
+from eagle3.generate.backends import RecordFailure, SGLangBackend
+from eagle3.generate.jobs import GenerationJob
 from eagle3.testing.conversations import synthetic_conversations, write_prepared_stage
 from eagle3.testing.fake_sglang import FakeSGLang, Faults, fake_output
 
@@ -327,8 +326,8 @@ def test_length_cut_replies_are_dropped_and_not_regenerated_when_keep_length_is_
 
 
 def test_line_ids_reads_escaped_ids_and_ignores_a_torn_tail(tmp_path):
-    from eagle3.generate.jobs import line_ids
     from eagle3.core.records import JsonlAppender
+    from eagle3.generate.jobs import line_ids
 
     ids = ['ds/"quoted"', "ds/naïve\\path", "ds/plain"]
     with JsonlAppender(tmp_path / "x.jsonl") as f:

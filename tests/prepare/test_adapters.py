@@ -10,8 +10,8 @@ import json
 import pytest
 from dataset_helpers import FIXTURES, fixture_rows
 
-from eagle3.prepare.conversations import stable_id, to_conversation
 from eagle3.core.records import RecordError
+from eagle3.prepare.conversations import stable_id, to_conversation
 
 
 def conv(name: str, k: int = 0, mode: str = "keep", **kw) -> dict:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from stage_helpers import assert_same_folder
 
-from eagle3.prepare.merge import conversation_id, is_eval
 from eagle3.core.records import read_jsonl
+from eagle3.prepare.merge import conversation_id, is_eval
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "datasets" / "merge_and_shuffle.py"

@@ -21,8 +21,8 @@ from stage_helpers import assert_same_folder
 
 from eagle3.core.chat import ChatRenderer, split_for_generation
 from eagle3.core.records import read_jsonl
-from eagle3.prepare.sources import LocalSource, SourceError, open_source
 from eagle3.core.target import load_tokenizer
+from eagle3.prepare.sources import LocalSource, SourceError, open_source
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_FILES = ("conversations.jsonl", "tokenized.jsonl", "quarantine.jsonl", "done.json")

@@ -10,12 +10,23 @@ import pytest
 import torch
 
 from reference import build_corpus as bc
-from reference.controls import (FinalStateProposer, detect_eagle_mistake, detect_shifted_layers,
-                                final_state_layers, shifted_layers)
+from reference.controls import (
+    FinalStateProposer,
+    detect_eagle_mistake,
+    detect_shifted_layers,
+    final_state_layers,
+    shifted_layers,
+)
 from reference.loop_share import find_output_ids
 from reference.stages import subset_workdir
-from reference.train_target import (PRESETS, ExpertBalancer, build_model, lr_at, packed_rows,
-                                    parameter_counts)
+from reference.train_target import (
+    PRESETS,
+    ExpertBalancer,
+    build_model,
+    lr_at,
+    packed_rows,
+    parameter_counts,
+)
 
 # ---------------------------------------------------------------- loop share
 
@@ -159,9 +170,9 @@ def _tiny_draft(target_model, draft_vocab: int = 100):
 
 def test_final_state_proposer_feeds_the_final_state_without_fc_or_d2t(tiny_target_dir,
                                                                       target_model):
-    from eagle3.draft.attention import StepCache
     from eagle3.bench.evaluate import TargetRunner
     from eagle3.core.target import load_embedding
+    from eagle3.draft.attention import StepCache
 
     draft = _tiny_draft(target_model)
     embed = load_embedding(tiny_target_dir)

@@ -6,13 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.bench.evaluate import (Eagle3Proposer, TargetRunner, autoregressive_decode,
-                                   speculative_decode)
-from eagle3.bench.loops import loop_free_acceptance, loop_stats
+from eagle3.bench.evaluate import (
+    Eagle3Proposer,
+    TargetRunner,
+    autoregressive_decode,
+    speculative_decode,
+)
 from eagle3.core.hidden_states import capture_hf
+from eagle3.core.loops import loop_free_acceptance, loop_stats
 from eagle3.draft.model import DraftConfig
-from eagle3.train.acceptance import (AcceptanceEstimate, accepted_per_anchor, full_argmax,
-                                     walk_rounds)
+from eagle3.train.acceptance import (
+    AcceptanceEstimate,
+    accepted_per_anchor,
+    full_argmax,
+    walk_rounds,
+)
 from eagle3.train.loop import build_draft
 from eagle3.train.ttt import TTTModel
 from eagle3.vocab.mapping import build_mapping

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.train.checkpoint import (CheckpointError, check_data_position, clean_state_dict,
-                               complete_steps, load_latest, save_checkpoint)
+from eagle3.train.checkpoint import (
+    CheckpointError,
+    check_data_position,
+    clean_state_dict,
+    complete_steps,
+    load_latest,
+    save_checkpoint,
+)
 
 CONFIG = {"hidden_size": 16, "num_attention_heads": 2, "capture_layers": [2, 4, 5], "lr": 1e-3}
 

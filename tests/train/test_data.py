@@ -6,9 +6,15 @@ import pytest
 import torch
 
 from eagle3.core import hidden_states as hs
-from eagle3.train.data import (DevicePrefetcher, PackedRows, build_plan, collate_packed, make_loader,
-                         pack_epoch)
 from eagle3.core.stage import atomic_torch_save
+from eagle3.train.data import (
+    DevicePrefetcher,
+    PackedRows,
+    build_plan,
+    collate_packed,
+    make_loader,
+    pack_epoch,
+)
 
 
 def test_epoch_packing_is_a_pure_function_of_seed_and_epoch_and_covers_every_sample():

@@ -7,12 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import train_helpers as th
 from torch import nn
 
-import train_helpers as th
 from eagle3.train import fp8 as fp8_module
-from eagle3.train.fp8 import (E4M3, Fp8Linear, fp8_matmul, quantize_rows, refresh_fp8_weights,
-                              resolve_mode, use_fp8_gemms)
+from eagle3.train.fp8 import (
+    E4M3,
+    Fp8Linear,
+    fp8_matmul,
+    quantize_rows,
+    refresh_fp8_weights,
+    resolve_mode,
+    use_fp8_gemms,
+)
 
 
 def deq(t: torch.Tensor) -> torch.Tensor:

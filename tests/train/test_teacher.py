@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import train_helpers as th
 
 from eagle3.core import hidden_states as hs

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.vocab.mapping import (VocabError, build_mapping, count_supervised, coverage,
-                          hot_ids_from_d2t, select_hot_ids)
+from eagle3.vocab.mapping import (
+    VocabError,
+    build_mapping,
+    count_supervised,
+    coverage,
+    hot_ids_from_d2t,
+    select_hot_ids,
+)
 
 
 def test_mapping_matches_hand_computed_example_when_counts_are_known(tmp_path):

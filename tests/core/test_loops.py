@@ -1,13 +1,18 @@
-"""Loop share and loop-free acceptance (eagle3/bench/loops.py), the one definition 04, 05 and
+"""Loop share and loop-free acceptance (eagle3/core/loops.py), the one definition 04, 05 and
 the GPU reference use."""
 
 from __future__ import annotations
 
 import pytest
 
-from eagle3.bench.loops import (loop_free_acceptance, loop_mask, loop_stats, loop_summary,
-                                rounds_before_loop)
 from eagle3.bench.report import report_markdown, summary_rows
+from eagle3.core.loops import (
+    loop_free_acceptance,
+    loop_mask,
+    loop_stats,
+    loop_summary,
+    rounds_before_loop,
+)
 
 
 def test_loop_mask_marks_a_unit_repeated_four_times_when_span_is_long_enough():

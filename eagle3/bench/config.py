@@ -1,0 +1,84 @@
+"""Stage 05's configuration: every flag of `05_benchmark.py`, its default and its validation,
+and what the draft check hands the backends (the door, `eagle3/bench/stage.py`, runs both)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.core.cli import UpstreamStageFlags, arg
+from eagle3.core.preflight import Problem
+from eagle3.core.target import TRUST_HELP, check_remote_code
+
+BACKENDS = ("hf", "sglang", "vllm")  # one module each: eagle3/bench/<name>.py
+SERVER_BACKENDS = ("sglang", "vllm")
+SPEC_DEFAULT = ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
+                "--speculative-num-draft-tokens 4")
+
+
+@dataclass
+class BenchmarkConfig(UpstreamStageFlags):
+    target: Path | None = arg(None, "target model folder: tokenizer and config (weights for hf)")
+    trust_remote_code: bool = arg(False, TRUST_HELP)
+    draft: Path | None = arg(None, "draft folder (default: <workdir>/04_train/final; vllm: the "
+                                   "folder 04 wrote for it, final_speculators/ or an MLA "
+                                   "draft's final/)")
+    backend: str = arg("hf", "hf: offline in transformers; sglang, vllm: baseline vs "
+                             "speculative servers", choices=list(BACKENDS))
+    check_only: bool = arg(False, "run the preflight checks and exit (0 ok, 1 refused)")
+    prompt_sets: list[str] = arg(["eval"], "eval, chat, code, math, tools, or JSONL paths")
+    num_prompts: int = arg(64, "prompts per set (the first N)")
+    max_new_tokens: int = arg(256, "tokens generated per prompt")
+    temperature: float = arg(0.0, "0 = greedy; > 0 = sampling (hf: speculative sampling)")
+    seed: int = arg(0, "sampling seed (hf backend)")
+    steps: list[int] = arg([3, 7], "hf: chain lengths (draft tokens per verify pass); vllm: "
+                                   "one value, num_speculative_tokens")
+    device: str = arg("cpu", "hf: torch device")
+    dtype: str = arg("float32", "hf: target and draft dtype")
+    baseline_url: str | None = arg(None, "sglang: running server without a draft")
+    spec_url: str | None = arg(None, "sglang: running server with this draft (EAGLE3)")
+    launch_args: str | None = arg(None, "sglang, vllm: launch both servers here, one after the "
+                                        "other, with these flags (sglang: --model-path, "
+                                        "--tp-size ...; vllm: --tensor-parallel-size ..., the "
+                                        "model is --target)")
+    spec_args: str = arg(SPEC_DEFAULT, "sglang: extra flags of the launched speculative server "
+                                       "(05 adds --speculative-algorithm EAGLE3 and the draft)")
+    port: int = arg(30000, "sglang: port of the launched servers")
+    sglang_python: str = arg(sys.executable, "sglang: python that runs sglang.launch_server")
+    vllm_python: str = arg(sys.executable, "vllm: python that runs vLLM's api_server (a venv "
+                                           "of its own, e.g. .venv-vllm/bin/python)")
+    ready_timeout_s: float = arg(3600.0, "sglang: seconds a launched server may take to load")
+    concurrency: list[int] = arg([1, 4, 16, 64], "sglang: requests in flight, per level")
+    stream: bool = arg(True, "sglang: stream answers (needed for TTFT)")
+    sglang_version: str | None = arg(None, "release that will serve the draft, for the layer "
+                                           "check without a server (default: both rules)")
+
+    def __post_init__(self):
+        if self.target is not None:
+            check_remote_code(self.target, self.trust_remote_code)
+        if self.backend == "hf" and self.target is None:
+            raise ValueError("--backend hf needs --target (the transformers model folder)")
+        attach = self.baseline_url is not None or self.spec_url is not None
+        if self.backend == "vllm":
+            if self.target is None:
+                raise ValueError("--backend vllm needs --target (the served model folder)")
+            if len(self.steps) != 1:
+                raise ValueError("--backend vllm takes one --steps value (num_speculative_tokens "
+                                 "of the speculative server), e.g. --steps 3")
+        if self.backend in SERVER_BACKENDS and not self.check_only:
+            if attach == (self.launch_args is not None):
+                raise ValueError(f"--backend {self.backend} needs either --baseline-url and "
+                                 "--spec-url "
+                                 "(running servers) or --launch-args (start them here)")
+            if attach and (self.baseline_url is None or self.spec_url is None):
+                raise ValueError("give both --baseline-url and --spec-url")
+
+
+@dataclass
+class DraftCheck:
+    """A backend's check of the draft folder, before any folder is made or server started."""
+
+    problems: list[Problem] = field(default_factory=list)
+    layers: str = ""  # the layer report line: which captures the serving engine will read
+    captures: list[int] | None = None  # the captures the draft was trained on (None: unknown)

@@ -1,0 +1,244 @@
+"""Stage 05, shared by the server backends: measuring one server and reporting its figures.
+
+For each prompt set and concurrency level, `max(prompts, 2 x concurrency)` requests (prompts
+cycled) go to the server with at most `concurrency` in flight, through the backend's `send`
+(SGLang's `/generate`: eagle3/bench/sglang.py; vLLM's `/v1/completions`: eagle3/bench/vllm.py).
+How each figure is measured, on our own requests only:
+
+- total output tok/s: sum of `completion_tokens` / wall time of the level (first request sent to
+  last answer received);
+- per-request output tok/s: mean over requests of `completion_tokens / latency`, latency being the
+  client-side time from sending the request to its last byte;
+- TTFT: client-side time from sending a request to the first streamed chunk carrying a token
+  (`"stream": true`; the server emits a chunk as soon as the prefill produced the first token);
+  None without streaming;
+- acceptance length (SGLang): `sum(completion_tokens) / sum(spec_verify_ct)` over the requests
+  whose `meta_info` has `spec_verify_ct` (SGLang omits it for a request that never ran a verify
+  pass); vLLM's comes from its `/metrics` counters (a `LevelProbe`);
+- loop share: share of the output tokens inside repetition loops (eagle3/core/loops.py); the
+  loop-free acceptance needs per-round lengths, which the servers do not report;
+- speedup: speculative total tok/s / baseline total tok/s at the same prompt set and concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from eagle3.bench.config import BenchmarkConfig
+from eagle3.bench.prompts import PromptSet
+from eagle3.core.launcher import LaunchedServer
+from eagle3.core.loops import loop_stats
+from eagle3.core.progress import progress
+from eagle3.core.records import JsonlAppender
+
+log = logging.getLogger(__name__)
+
+ROLES = ("baseline", "speculative")  # measured in this order, one server at a time
+REQUESTS_FILE = "requests.jsonl"
+
+
+@dataclass
+class RequestRecord:
+    """One benchmark request as the client saw it."""
+
+    prompt_index: int
+    rid: str
+    output_ids: list[int]
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    spec_verify_ct: int | None  # None: the server reported no verify pass
+    ttft_s: float | None  # None without streaming
+    latency_s: float
+    start_s: float  # since the level began
+
+
+@dataclass
+class LoadSettings:
+    """What every request of a measurement sends and how."""
+
+    sampling_params: dict
+    stream: bool = True
+    incremental_stream: bool = False  # the server's --incremental-streaming-output
+    timeout_s: float = 3600.0
+
+
+# (session, base url, prompt ids, rid, load) -> (output ids, meta, TTFT s, latency s)
+Send = Callable[..., Awaitable[tuple[list[int], dict, float | None, float]]]
+
+
+class LevelProbe(Protocol):
+    """Figures a server reports about a level beside its answers (vLLM's `/metrics`)."""
+
+    async def before(self) -> Any: ...
+
+    async def after(self, before: Any, records: list[RequestRecord]) -> dict: ...
+
+
+async def run_level(base_url: str, prompts: list[list[int]], concurrency: int,
+                    load: LoadSettings, tag: str, bar=None, *,
+                    send: Send) -> tuple[list[RequestRecord], float]:
+    """All requests of one concurrency level; returns the records and the wall time.
+    `send`: the backend's request (eagle3/bench/sglang.py, eagle3/bench/vllm.py)."""
+    n = max(len(prompts), 2 * concurrency)
+    limit = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t_level = time.perf_counter()
+
+        async def one(i: int) -> RequestRecord:
+            async with limit:
+                p = i % len(prompts)
+                rid = f"bench-{tag}-{i}-{uuid.uuid4().hex[:8]}"
+                start = time.perf_counter() - t_level
+                ids, meta, ttft, latency = await send(session, base_url, prompts[p], rid, load)
+                if bar is not None:
+                    bar.update(1)
+                return RequestRecord(p, rid, ids, int(meta.get("completion_tokens", len(ids))),
+                                     int(meta.get("prompt_tokens", len(prompts[p]))),
+                                     int(meta.get("cached_tokens", 0)), meta.get("spec_verify_ct"),
+                                     ttft, latency, start)
+
+        records = await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.perf_counter() - t_level
+    return list(records), wall
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
+    """The figures of one level (definitions in the module docstring)."""
+    tokens = sum(r.completion_tokens for r in records)
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    verified = [r for r in records if r.spec_verify_ct]
+    verify_ct = sum(r.spec_verify_ct for r in verified)
+    return {
+        "requests": len(records),
+        "completion_tokens": tokens,
+        "wall_s": wall_s,
+        "total_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "per_request_tok_s": sum(r.completion_tokens / r.latency_s for r in records)
+        / max(len(records), 1),
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "latency_mean_s": sum(r.latency_s for r in records) / max(len(records), 1),
+        "acceptance_length": (sum(r.completion_tokens for r in verified) / verify_ct
+                              if verify_ct else None),
+        "spec_verify_ct": verify_ct,
+        "requests_without_verify_ct": len(records) - len(verified),
+        "cached_tokens": sum(r.cached_tokens for r in records),
+        "loop_share": loop_stats([r.output_ids for r in records]).share,
+    }
+
+
+def measure_levels(base_url: str, role: str, prompt_sets: list[PromptSet],
+                   concurrencies: list[int], load: LoadSettings, send: Send, sink=None,
+                   bar=None, warmup_tokens: int = 16, probe: LevelProbe | None = None) -> dict:
+    """{prompt set: {concurrency: summary}} of one server after one warm-up request; every
+    request record goes to `sink.write(dict)` (a JsonlAppender) with its role, set and
+    concurrency; `probe`'s figures join each level's summary."""
+
+    async def go() -> dict:
+        warm = LoadSettings({**load.sampling_params, "max_new_tokens": warmup_tokens},
+                            load.stream, load.incremental_stream, load.timeout_s)
+        await run_level(base_url, prompt_sets[0].prompts[:1], 1, warm, f"{role}-warmup",
+                        send=send)
+        out: dict = {}
+        for ps in prompt_sets:
+            out[ps.name] = {}
+            for c in concurrencies:
+                before = await probe.before() if probe is not None else None
+                records, wall = await run_level(base_url, ps.prompts, c, load,
+                                                f"{role}-{ps.name}-c{c}", bar, send=send)
+                summary = summarize_level(records, wall)  # loop share included
+                if probe is not None:
+                    summary.update(await probe.after(before, records))
+                out[ps.name][str(c)] = summary
+                log.info("%s %s c=%d: %s", role, ps.name, c, brief_level(summary))
+                write_level_records(sink, role, ps, c, records)
+        return out
+
+    return asyncio.run(go())
+
+
+def measure_roles(cfg: BenchmarkConfig, prompt_sets: list[PromptSet], stage_dir: Path,
+                  measure_role: Callable) -> tuple[dict, dict, LoadSettings]:
+    """Baseline, then speculative, one server at a time: (measured, servers, load) by role.
+    `measure_role(role, load, sink, bar)` serves the role and returns (server summary for
+    results.json, its `measure_levels` answer)."""
+    load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature},
+                        cfg.stream)
+    n = sum(max(len(ps.prompts), 2 * c) for ps in prompt_sets for c in cfg.concurrency)
+    bar = progress(total=2 * n, desc="05 requests", unit="req")
+    (stage_dir / REQUESTS_FILE).unlink(missing_ok=True)  # a re-run measures afresh
+    measured, servers = {}, {}
+    with JsonlAppender(stage_dir / REQUESTS_FILE) as sink:
+        for role in ROLES:
+            servers[role], measured[role] = measure_role(role, load, sink, bar)
+    bar.close()
+    return measured, servers, load
+
+
+@contextlib.contextmanager
+def attached_or_launched(cfg: BenchmarkConfig, role: str, command: Callable[[], list[str]],
+                         stage_dir: Path, **launch) -> Iterator[tuple[str, Path | None]]:
+    """(url, log path or None) of the role's server: the one given by URL (attached), or
+    `command()` launched on `--port` for the block, its log in `server_<role>.log`."""
+    if cfg.launch_args is None:
+        yield (cfg.baseline_url if role == "baseline" else cfg.spec_url), None
+        return
+    url, log_path = f"http://127.0.0.1:{cfg.port}", stage_dir / f"server_{role}.log"
+    with LaunchedServer(command(), log_path, url, cfg.ready_timeout_s, **launch):
+        yield url, log_path
+
+
+def write_level_records(sink, role: str, ps, concurrency: int, records) -> None:
+    """One line per request of a level to `sink` (None: nothing), tagged with where it ran."""
+    if sink is None:
+        return
+    for r in records:
+        sink.write({"role": role, "prompt_set": ps.name, "concurrency": concurrency,
+                    "prompt_id": ps.ids[r.prompt_index] if ps.ids else None, **asdict(r)})
+
+
+def brief_level(s: dict) -> str:
+    """One log line of a level's summary: speed, and acceptance with the loop share beside it."""
+    acc = s["acceptance_length"]
+    return (f"{s['total_tok_s']:.1f} tok/s total, {s['per_request_tok_s']:.1f} per request"
+            + (f", acceptance {acc:.3f} (loop share {s['loop_share']:.0%})"
+               if acc is not None else ""))
+
+
+def combine(baseline: dict, speculative: dict) -> dict:
+    """{set: {concurrency: {baseline, speculative, speedup, per_request_speedup}}}."""
+    out = {}
+    for name, levels in speculative.items():
+        out[name] = {}
+        for c, spec in levels.items():
+            base = baseline.get(name, {}).get(c)
+            row = {"baseline": base, "speculative": spec, "speedup": None,
+                   "per_request_speedup": None}
+            if base and base["total_tok_s"] > 0:
+                row["speedup"] = spec["total_tok_s"] / base["total_tok_s"]
+                row["per_request_speedup"] = spec["per_request_tok_s"] / base["per_request_tok_s"]
+            out[name][c] = row
+    return out
+

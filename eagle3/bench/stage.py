@@ -1,0 +1,83 @@
+"""Stage 05's door: `check_only(cfg)`, `check_inputs(cfg)` before the stage folder is opened,
+`run(cfg, stage, check)` after.
+
+The backends (`eagle3/bench/hf.py` offline; `eagle3/bench/sglang.py`, `eagle3/bench/vllm.py`
+against servers, over the shared measuring code in `eagle3/bench/measure.py`) each expose
+`default_draft(workdir)`, `check_draft(cfg, draft_dir) -> DraftCheck`, `check_only(cfg,
+draft_dir) -> exit code` and `measure(cfg, draft_dir, sets, stage_dir, renderer, check) ->
+results`: adding a backend is one module and one entry in `BACKENDS` (with its name in
+`eagle3/bench/config.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from eagle3.bench import hf, sglang, vllm
+from eagle3.bench.config import BenchmarkConfig, DraftCheck
+from eagle3.bench.prompts import EVAL_SET, load_prompt_set
+from eagle3.bench.report import report_markdown, summary_rows, write_plots
+from eagle3.core.chat import ChatRenderer
+from eagle3.core.preflight import raise_on_errors
+from eagle3.core.progress import human_seconds
+from eagle3.core.stage import (
+    STAGE_DIRS,
+    Stage,
+    StageResult,
+    atomic_write_bytes,
+    atomic_write_json,
+    require_upstream,
+)
+from eagle3.core.target import load_tokenizer
+
+__all__ = ["BACKENDS", "BenchmarkConfig", "STAGE", "check_inputs", "check_only", "run"]
+
+STAGE = STAGE_DIRS["05"]
+BACKENDS = {"hf": hf, "sglang": sglang, "vllm": vllm}
+
+
+def draft_dir(cfg: BenchmarkConfig) -> Path:
+    """--draft, else the folder of 04's that the backend serves."""
+    return cfg.draft or BACKENDS[cfg.backend].default_draft(cfg.workdir)
+
+
+def check_only(cfg: BenchmarkConfig) -> int:
+    """`--check-only`: the backend's preflight alone, printed; 0 ok, 1 refused."""
+    return BACKENDS[cfg.backend].check_only(cfg, draft_dir(cfg))
+
+
+def check_inputs(cfg: BenchmarkConfig) -> DraftCheck:
+    """Upstream folders and the draft, before any folder is made or server started."""
+    draft = draft_dir(cfg)
+    if EVAL_SET in cfg.prompt_sets:
+        require_upstream(cfg.workdir / STAGE_DIRS["merge"], cfg.allow_partial)
+    if cfg.draft is None:
+        require_upstream(cfg.workdir / STAGE_DIRS["04"], cfg.allow_partial)
+    check = BACKENDS[cfg.backend].check_draft(cfg, draft)
+    raise_on_errors(check.problems, f"draft {draft}")
+    return check
+
+
+def run(cfg: BenchmarkConfig, stage: Stage, check: DraftCheck) -> StageResult:
+    """Measure every prompt set; results.json, report.md and plots; the summary rows."""
+    t0, draft = time.time(), draft_dir(cfg)
+    renderer = (ChatRenderer(load_tokenizer(cfg.target, cfg.trust_remote_code)) if cfg.target
+                else None)
+    sets = [load_prompt_set(s, cfg.workdir, renderer, cfg.num_prompts) for s in cfg.prompt_sets]
+    if EVAL_SET in cfg.prompt_sets:
+        stage.add_input(cfg.workdir / STAGE_DIRS["merge"] / "eval.jsonl")
+    results = {"backend": cfg.backend, "draft": str(draft), "layers": check.layers,
+               "preflight": [str(p) for p in check.problems],
+               "prompts": {ps.name: len(ps.prompts) for ps in sets}}
+    measured = BACKENDS[cfg.backend].measure(cfg, draft, sets, stage.dir, renderer, check)
+    results["preflight"] += measured.pop("preflight", [])  # the servers' own checks
+    results.update(measured)
+    atomic_write_json(stage.dir / "results.json", results)
+    atomic_write_bytes(stage.dir / "report.md", report_markdown(results).encode())
+    plots = write_plots(results, stage.dir)
+    outputs, rows, ok = summary_rows(results)
+    stage.finish(outputs=outputs)
+    rows.update(plots=", ".join(p.name for p in plots), layers=check.layers,
+                time=human_seconds(time.time() - t0))
+    return StageResult(rows, 0 if ok else 1)
