@@ -1,4 +1,4 @@
-# make demo: the whole pipeline on SmolLM2-135M-Instruct, a real instruct model (CPU, ~10 min).
+# make demo: the whole pipeline on SmolLM2-135M-Instruct, a real instruct model (CPU, ~12 min).
 # make demo-tiny: the same on the embedded tiny target (random weights; CPU, a few minutes).
 # make test: the test suite (installs the test-only extras first).
 # make lint: ruff (pinned in requirements-test.txt) over the tree, as CI runs it.
