@@ -52,7 +52,7 @@ def run_smollm2_pipeline(target: Path, root: Path) -> Path:
                             "--eval-every", "1000", "--log-every", "10"])
         _stage("05", ["--workdir", w, "--target", target, "--backend", "hf",
                                 "--steps", "3", "--max-new-tokens", "24", "--num-prompts", "4",
-                                "--prompt-sets", "chat"])
+                                "--prompt-sets", "chat", "--context-bucket-tokens", "64"])
     finally:
         torch.set_num_threads(int(threads) if threads else 1)
     shutil.copytree(data, w / "test_inputs")

@@ -34,6 +34,8 @@ class BenchmarkConfig(UpstreamStageFlags):
     seed: int = arg(0, "sampling seed (hf backend)")
     steps: list[int] = arg([3, 7], "hf: chain lengths (draft tokens per verify pass); vllm: "
                                    "one value, num_speculative_tokens")
+    context_bucket_tokens: int = arg(1024, "hf: width in tokens of the context-length buckets "
+                                           "of the acceptance-by-context table")
     device: str = arg("cpu", "hf: torch device")
     dtype: str = arg("float32", "hf: target and draft dtype")
     baseline_url: str | None = arg(None, "sglang: running server without a draft")
@@ -55,6 +57,9 @@ class BenchmarkConfig(UpstreamStageFlags):
                                            "check without a server (default: both rules)")
 
     def __post_init__(self):
+        if self.context_bucket_tokens <= 0:
+            raise ValueError(f"--context-bucket-tokens must be positive, got "
+                             f"{self.context_bucket_tokens}")
         if self.target is not None:
             check_remote_code(self.target, self.trust_remote_code)
         if self.backend == "hf" and self.target is None:

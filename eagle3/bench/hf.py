@@ -58,6 +58,9 @@ def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_
         out[ps.name] = run_offline(model, draft, embed, ps, cfg.steps, cfg.max_new_tokens, eos,
                                    bar, cfg.temperature, cfg.seed)
         bar.close()
+        for m in out[ps.name]["steps"].values():  # the table at the requested bucket width
+            m["acceptance_by_context"] = acceptance_by_context(
+                m["accept_lengths"], m["round_contexts"], cfg.context_bucket_tokens)
     peak = (torch.cuda.max_memory_allocated(torch.device(cfg.device))
             if torch.device(cfg.device).type == "cuda" else None)
     return {"temperature": cfg.temperature, "prompt_sets": out, "peak_gpu_bytes": peak}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from eagle3.core.records import read_jsonl
@@ -53,7 +54,10 @@ def test_04_trains_a_draft_of_smollm2_shape_that_05_runs_losslessly(smollm2_run)
     r = results["prompt_sets"]["chat"]["steps"]["3"]
     assert r["lossless_mismatches"] == 0
     assert 1.0 <= r["acceptance_length"] <= 4.0 and 0.0 <= r["loop_share"] <= 1.0
-    buckets = r["acceptance_by_context"]
-    assert buckets and sum(b["verify_passes"] for b in buckets) == r["verify_passes"]
+    buckets = r["acceptance_by_context"]  # 05 ran with --context-bucket-tokens 64
+    assert len(buckets) >= 2 and all(b["to"] - b["from"] == 64 for b in buckets)
+    assert sum(b["verify_passes"] for b in buckets) == r["verify_passes"]
+    total = sum(b["acceptance_length"] * b["verify_passes"] for b in buckets)
+    assert total / r["verify_passes"] == pytest.approx(r["acceptance_length"])
     report = (smollm2_run / "05_benchmark/report.md").read_text()
     assert "Acceptance by context position" in report
