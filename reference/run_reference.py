@@ -190,7 +190,6 @@ PROFILES["h200-smollm2"] = replace(
 # The same on CPU at toy sizes (the test of the route; the GGUF from the installed package).
 PROFILES["smoke-smollm2"] = replace(
     PROFILES["smoke"], target_source="smollm2", target=(), threads=2,
-    train=(*PROFILES["smoke"].train, "--num-attention-heads", "3", "--intermediate-size", "256"),
     phase3=("checkpoints", "topk"), draft_vocab=512)
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
              "results/stages.json": "stages.json", "results/controls.json": "controls.json",

@@ -42,7 +42,8 @@ def _outputs(stage: str, m: dict, workdir: Path) -> str:
     if stage == STAGE_DIRS["04"]:
         first = _first_eval(workdir / stage / "metrics.jsonl")
         untrained = ("" if first is None else
-                     f"; the untrained draft (step 0): {_num(first.get('eval_sim_accept'))}")
+                     f"; the untrained draft (step 0): {_num(first.get('eval_sim_accept'))}, "
+                     f"loop-free {_num(first.get('eval_sim_accept_loop_free'))}")
         return (f"{out.get('num_steps')} steps, eval acceptance estimate "
                 f"{_num(out.get('eval_sim_accept'))} (loop share "
                 f"{_num(out.get('eval_loop_share'), '.0%')}, loop-free "

@@ -4,6 +4,7 @@ on a few records (tests/smollm2_helpers.py), checked stage by stage against the 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -59,5 +60,10 @@ def test_04_trains_a_draft_of_smollm2_shape_that_05_runs_losslessly(smollm2_run)
     assert sum(b["verify_passes"] for b in buckets) == r["verify_passes"]
     total = sum(b["acceptance_length"] * b["verify_passes"] for b in buckets)
     assert total / r["verify_passes"] == pytest.approx(r["acceptance_length"])
+    from eagle3.core.run_summary import summary_table
+
+    # the run's closing table: 04's estimate for the untrained draft beside the trained one's
+    assert re.search(r"the untrained draft \(step 0\): 1\.0\d\d, loop-free",
+                     summary_table(smollm2_run))
     report = (smollm2_run / "05_benchmark/report.md").read_text()
     assert "Acceptance by context position" in report

@@ -18,6 +18,7 @@ from reference.controls import (
     shifted_layers,
 )
 from reference.loop_share import find_output_ids
+from reference.run_reference import PROFILES
 from reference.stages import subset_workdir
 from reference.train_target import (
     PRESETS,
@@ -275,10 +276,9 @@ def _script_config(stage: str):
     return cls
 
 
-@pytest.mark.parametrize("profile", ["h200", "h200-compare", "smoke"])
+@pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_every_stage_command_parses_with_its_script(profile, tmp_path):
     from eagle3.core.cli import parse_config
-    from reference.run_reference import PROFILES
     from reference.stages import StageRunner
     from reference.steps import SAME_STATE_RUNS, PhaseSteps
 
