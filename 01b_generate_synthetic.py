@@ -32,6 +32,7 @@ import os
 import sys
 
 from eagle3.core.cli import config_dict, parse_config, setup_logging
+from eagle3.core.faults import script_main
 from eagle3.core.progress import format_summary
 from eagle3.core.stage import open_stage, require_upstream
 from eagle3.generate.stage import STAGE, UPSTREAM, GenerateConfig, run
@@ -60,4 +61,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main, "01b"))

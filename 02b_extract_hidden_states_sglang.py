@@ -36,6 +36,7 @@ from __future__ import annotations
 import sys
 
 from eagle3.core.cli import config_dict, parse_config, setup_logging
+from eagle3.core.faults import script_main
 from eagle3.core.progress import format_summary
 from eagle3.core.stage import open_stage
 from eagle3.extract.stage import STAGE, ExtractConfig, check_inputs, run
@@ -56,4 +57,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main, "02b"))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
+from eagle3.core.faults import script_main
 from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.core.records import count_jsonl
 from eagle3.core.stage import (
@@ -102,4 +103,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main, "03"))

@@ -33,6 +33,7 @@ import sys
 
 from eagle3.bench.stage import STAGE, BenchmarkConfig, check_inputs, check_only, run
 from eagle3.core.cli import config_dict, parse_config, setup_logging
+from eagle3.core.faults import script_main
 from eagle3.core.progress import format_summary
 from eagle3.core.stage import open_stage
 
@@ -54,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main, "05"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
+from eagle3.core.faults import script_main
 from eagle3.core.progress import format_summary, human_bytes, human_seconds
 from eagle3.core.stage import (
     STAGE_DIRS,
@@ -115,4 +116,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main, "merge"))

@@ -51,27 +51,40 @@ STAGE_DIRS = {"01": "01_prepared", "01b": "01b_generated", "merge": "01c_merged"
 
 
 @contextmanager
-def atomic_writer(path: Path, keep_mode: bool = False) -> Iterator[BinaryIO]:
+def atomic_writer(path: Path, keep_mode: bool = False,
+                  expected_bytes: int | None = None) -> Iterator[BinaryIO]:
     """A binary file whose content replaces `path` only if the block ends without error.
 
     The streaming counterpart of `atomic_write_bytes` (temp file in the same folder, fsync,
     rename), for outputs too large to hold in memory. A killed writer leaves only a
     `.<name>.*.tmp` file. `keep_mode`: the new file keeps the old one's permissions (a new file
-    gets the umask default instead of the temp file's 0600).
+    gets the umask default instead of the temp file's 0600). A full or read-only disk raises
+    `eagle3.core.faults.DiskError` naming the folder and the bytes needed (`expected_bytes`, else
+    what was written when it failed), with the temp file removed.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
+    written = 0
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            finally:
+                written = f.tell()
         if keep_mode:
             _copy_mode(path, Path(tmp))
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        from eagle3.core.faults import disk_error, is_disk_error
+
+        if is_disk_error(e):
+            raise disk_error(e, path, expected_bytes or written or None) from e
         raise
 
 
@@ -86,7 +99,7 @@ def _copy_mode(src: Path, dst: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temp file in the same folder, fsync, then rename."""
-    with atomic_writer(path) as f:
+    with atomic_writer(path, expected_bytes=len(data)) as f:
         f.write(data)
 
 
