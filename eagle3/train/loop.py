@@ -31,7 +31,12 @@ from eagle3.draft.mla import build_draft_model
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.train import distributed
 from eagle3.train.acceptance import AcceptanceEstimate
-from eagle3.train.checkpoint import check_data_position, load_latest, save_checkpoint, set_rng_state
+from eagle3.train.checkpoint import (
+    CheckpointWriter,
+    check_data_position,
+    load_latest,
+    set_rng_state,
+)
 from eagle3.train.config import TrainConfig, build_draft_config
 from eagle3.train.data import (
     DevicePrefetcher,
@@ -133,9 +138,13 @@ def _topk_arg(batch: dict) -> dict | None:
 
 @torch.no_grad()
 def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainConfig,
-             rt: Runtime, width: int, estimate: AcceptanceEstimate, topk: int = 0) -> dict:
+             rt: Runtime, width: int, estimate: AcceptanceEstimate, topk: int = 0,
+             forward: Callable | None = None) -> dict:
     """Mean per-step loss and accuracy over the eval split, and the acceptance estimate
-    (verify rounds against the target's full-vocabulary argmax: eagle3/train/acceptance.py)."""
+    (verify rounds against the target's full-vocabulary argmax: eagle3/train/acceptance.py).
+    `forward`: the training forward (compiled on CUDA: the eval reuses it, in eval mode and
+    without gradients, rather than running the model eagerly); default `model`."""
+    forward = model if forward is None else forward
     n = min(len(files), cfg.max_eval_samples)
     rows = pack_epoch(lengths[:n], width, cfg.max_seq_len, cfg.seed, 0, shuffle=False)
     mine = rows[rt.dist.rank::rt.dist.world]
@@ -146,10 +155,10 @@ def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainC
     model.eval()
     for batch in loader:
         batch = {k: v.to(rt.device) for k, v in batch.items()}
-        masks = model.build_masks(batch["doc_ids"])
+        masks = model.build_masks(batch["doc_ids"], compile_mask=rt.device.type == "cuda")
         with rt.autocast():
-            _, s, steps_logits = model(*_batch_args(batch), masks=masks, topk=_topk_arg(batch),
-                                       return_logits=True)
+            _, s, steps_logits = forward(*_batch_args(batch), masks=masks,
+                                         topk=_topk_arg(batch), return_logits=True)
         stats += s
         estimate.add(model.draft, steps_logits, batch["input_ids"], batch["loss_mask"],
                      batch["doc_ids"], batch["final"], batch.get("target_top"))
@@ -197,6 +206,7 @@ class WindowClock:
 
     t: float  # time.perf_counter() at the last log line
     wait_s: float = 0.0  # the prefetcher's cumulated data wait at the last log line
+    paused_s: float = 0.0  # evals and checkpoint copies since the last log line (not steps)
     history: list = field(default_factory=list)
 
 
@@ -219,6 +229,8 @@ class TrainRun:
     metrics: MetricsLog
     clock: WindowClock
     estimate: AcceptanceEstimate  # the eval's acceptance estimate (holds the whole lm_head)
+    writer: CheckpointWriter  # checkpoints written in the background (checkpoint.py)
+    eval_s: list = field(default_factory=list)  # wall seconds of each eval
 
 
 def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
@@ -254,7 +266,9 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     ema = torch.tensor(state.ema_loss, device=rt.device)
     bad_step = torch.tensor(state.nonfinite_step, device=rt.device)
     run = TrainRun(cfg, rt, Path(out_dir), data, plan, width, draft, optimizer, model, ddp,
-                   forward, feed, metrics, WindowClock(time.perf_counter()), estimate)
+                   forward, feed, metrics, WindowClock(time.perf_counter()), estimate,
+                   CheckpointWriter())
+    t_loop = time.perf_counter()
     start_step, last_eval = state.step, state.last_eval
     log.info("%d steps (%d epochs, %d rows of %d tokens per step, padding %.1f%%), warmup %d, "
              "%s attention, %s, GEMMs %s", num_steps, cfg.epochs, plan.rows_per_step, width,
@@ -292,6 +306,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             raise_if_nonfinite(bad_step)
             state.tokens += _log_window(run, step + 1, window, ema, grad_norm, lr)
             window = Window(cfg.ttt_steps, rt.device)
+    run.writer.wait()  # the last checkpoint is on disk before the stage exports or ends
     metrics.close()
     history = run.clock.history
     timed = history[1:] or history  # the first window holds warm-up/compile
@@ -299,7 +314,11 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             "padding": plan.padding_share(data.train_lengths, width, cfg.max_seq_len),
             "tok_s": sum(r["tok_s"] for r in timed) / max(len(timed), 1),
             "data_wait": sum(r["data_wait"] for r in timed) / max(len(timed), 1),
-            "fp8_gemm": rt.fp8}
+            "fp8_gemm": rt.fp8,
+            "timings": {"loop_s": time.perf_counter() - t_loop, "eval_s": run.eval_s,
+                        "save_blocked_s": run.writer.blocked_s,
+                        "save_write_s": run.writer.write_s,
+                        "first_window_s": history[0]["elapsed_s"] if history else None}}
 
 
 def _micro_steps(run: TrainRun, window: Window) -> torch.Tensor:
@@ -344,7 +363,7 @@ def _save(run: TrainRun, step: int, state: LoopState, window: Window) -> None:
     if run.rt.dist.is_main:
         epoch, row = (plan.locate(step)[0], plan.locate(step)[1] * plan.rows_per_step) \
             if step < plan.num_steps else (len(plan.epochs), 0)
-        save_checkpoint(run.out_dir / "checkpoints", step, {
+        run.writer.save(run.out_dir / "checkpoints", step, {
             "model": draft.state_dict(), "optimizer": optimizer.state_dict(),
             "loop_state": asdict(state), "window": window.to_dict(),
             "schedule": {"num_steps": plan.num_steps, "peak_lr": cfg.lr,
@@ -352,6 +371,7 @@ def _save(run: TrainRun, step: int, state: LoopState, window: Window) -> None:
             "data": {"step": step, "epoch": epoch, "row": row, "seed": cfg.seed,
                      "rows_per_step": plan.rows_per_step}},
             _checkpoint_config(cfg, draft), cfg.keep_latest)
+        run.clock.paused_s += run.writer.blocked_s[-1]
     distributed.barrier()
 
 
@@ -359,8 +379,11 @@ def _run_eval(run: TrainRun, step: int) -> dict:
     data = run.data
     if not data.eval_files:
         return {}
+    t0 = time.perf_counter()
     result = evaluate(run.model, data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width,
-                      run.estimate, data.teacher_topk)
+                      run.estimate, data.teacher_topk, run.forward)
+    run.eval_s.append(time.perf_counter() - t0)
+    run.clock.paused_s += run.eval_s[-1]
     log.info("eval step %d | loss %s | acc %s | %s", step,
              [round(x, 3) for x in result["eval_loss"]],
              [round(a, 3) for a in result["eval_acc"]], acceptance_note(result))
@@ -389,15 +412,17 @@ def _log_window(run: TrainRun, step: int, window: Window, ema, grad_norm, lr: fl
     m = stats_dict(totals[:-1], cfg.ttt_steps)
     tokens = int(totals[-1])
     now = time.perf_counter()
-    elapsed = max(now - clock.t, 1e-9)
+    wall = now - clock.t
+    elapsed = max(wall - clock.paused_s, 1e-9)  # training time: evals and saves left out
     rows = window.rows * rt.dist.world
     rec = {"step": step, "loss": float(ema) / (1 - 0.9 ** step), "loss_steps": m["loss_steps"],
            "acc": m["acc"], "lr": lr,
            "grad_norm": float(grad_norm), "tokens": tokens,
            "dt_ms": 1000 * elapsed / max(window.steps, 1), "tok_s": tokens / elapsed,
+           "elapsed_s": elapsed, "wall_s": wall,
            "data_wait": (run.feed.wait_s - clock.wait_s) / elapsed,
            "padding": 1 - tokens / max(rows * run.width, 1)}
-    clock.t, clock.wait_s = now, run.feed.wait_s
+    clock.t, clock.wait_s, clock.paused_s = now, run.feed.wait_s, 0.0
     if rt.dist.is_main:
         log.info(metrics_line(rec, num_steps, rec["dt_ms"] / 1000 * (num_steps - step)))
     run.metrics.write(rec)

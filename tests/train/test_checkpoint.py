@@ -120,3 +120,48 @@ def test_resume_refused_when_the_draft_arch_changed(tmp_path):
     assert load_latest(tmp_path, {**CONFIG, "arch": "llama"}) is not None
     with pytest.raises(CheckpointError, match="arch"):
         load_latest(tmp_path, {**CONFIG, "arch": "mla"})
+
+
+def test_background_writer_saves_what_the_state_was_when_save_returned(tmp_path):
+    """The loop goes on (and changes the weights) while the writer thread writes: the folder
+    holds the state at the time of `save`, equal to a synchronous save's, pruned the same way."""
+    from eagle3.train.checkpoint import CheckpointWriter
+
+    weight = torch.zeros(64, 64)
+    writer = CheckpointWriter()
+    for step in (3, 6, 9):
+        weight.fill_(float(step))
+        writer.save(tmp_path / "bg", step, {**_state(step), "model": {"fc.weight": weight}},
+                    CONFIG, keep_latest=2)
+        weight.fill_(-1.0)  # the next update, before the write has finished
+        save_checkpoint(tmp_path / "sync", step, {**_state(step), "model": {
+            "fc.weight": torch.full((64, 64), float(step))}}, CONFIG, keep_latest=2)
+    writer.wait()
+    assert complete_steps(tmp_path / "bg") == complete_steps(tmp_path / "sync") == [6, 9]
+    got, want = (load_latest(tmp_path / d, CONFIG) for d in ("bg", "sync"))
+    torch.testing.assert_close(got["model"]["fc.weight"], want["model"]["fc.weight"])
+    assert got["loop_state"] == want["loop_state"] == {"step": 9}
+    assert len(writer.blocked_s) == len(writer.write_s) == 3
+
+
+def test_background_writer_error_reaches_the_loop_and_keeps_the_last_checkpoint(
+        tmp_path, monkeypatch):
+    """A full disk during a background write: the next `wait` (the next save, or the end of
+    training) raises the DiskError; the step folder is not complete and the one before stays
+    the latest."""
+    from eagle3.core.faults import DiskError
+    from eagle3.train.checkpoint import CheckpointWriter
+    from tests.fault_helpers import full_disk_shim
+
+    writer = CheckpointWriter()
+    writer.save(tmp_path, 3, _state(3), CONFIG, keep_latest=2)
+    writer.wait()
+    with full_disk_shim(monkeypatch, after_bytes=100, under=tmp_path):
+        writer.save(tmp_path, 6, _state(6), CONFIG, keep_latest=2)
+        with pytest.raises(DiskError, match="no space left"):
+            writer.wait()
+    assert complete_steps(tmp_path) == [3]
+    assert load_latest(tmp_path, CONFIG)["loop_state"] == {"step": 3}
+    writer.save(tmp_path, 6, _state(6), CONFIG, keep_latest=2)  # space is back
+    writer.wait()
+    assert complete_steps(tmp_path) == [3, 6] and not list(tmp_path.glob(".tmp_*"))

@@ -147,7 +147,7 @@ def _curve(out: Path) -> list[tuple]:
             for r in recs]
 
 
-TIMING = ("dt_ms", "tok_s", "data_wait")  # wall-clock fields of a train row
+TIMING = ("dt_ms", "tok_s", "data_wait", "elapsed_s", "wall_s")  # wall-clock fields of a row
 
 
 def _canonical(obj) -> str:
