@@ -17,21 +17,19 @@
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3.core.stage import StageError
+from eagle3.core.stage import DISK_ERRNOS, DiskError, StageError, disk_error, is_disk_error
+
+__all__ = ["DISK_ERRNOS", "BadRecords", "DiskError", "InputFileError", "Interrupted",
+           "StopSignals", "TooManyBad", "disk_error", "is_disk_error", "script_main"]
 
 log = logging.getLogger(__name__)
 
-# errno values that mean "the disk cannot take this write", not "the code is wrong"
-DISK_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
-               errno.EROFS: "read-only file system"}
 SKIP_LIST = "skipped.jsonl"
 
 
@@ -41,10 +39,6 @@ class InputFileError(StageError):
     def __init__(self, path: Path | str, problem: str):
         self.path, self.problem = str(path), problem
         super().__init__(f"{path}: {problem}")
-
-
-class DiskError(StageError):
-    """A write that the disk refused (full, over quota, read-only)."""
 
 
 class TooManyBad(StageError):
@@ -58,26 +52,6 @@ class Interrupted(RuntimeError):
         self.signum = signum
         name = signal.Signals(signum).name
         super().__init__(f"stopped by {name}; what was complete is kept: {resume}")
-
-
-def is_disk_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
-
-
-def disk_error(exc: OSError, path: Path | str, needed_bytes: int | None = None) -> DiskError:
-    """The DiskError for `exc` raised while writing `path`: names its folder and the bytes the
-    write needed (at least; None when unknown)."""
-    folder = Path(path).parent
-    need = f"; the write needed {needed_bytes:,} bytes" if needed_bytes else ""
-    try:
-        free = os.statvfs(folder)
-        room = f", {free.f_bavail * free.f_frsize:,} bytes free there"
-    except OSError:
-        room = ""
-    fix = ("make the folder writable" if exc.errno == errno.EROFS
-           else "free space (or move --workdir)")
-    return DiskError(f"cannot write {path}: {DISK_ERRNOS[exc.errno]} in {folder}{need}{room}. "
-                     f"Nothing partial was kept; {fix}, then re-run the same command to resume")
 
 
 class BadRecords:

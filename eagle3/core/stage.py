@@ -14,6 +14,7 @@ one does.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -34,6 +35,35 @@ MANIFEST = "manifest.json"
 
 class StageError(RuntimeError):
     """A stage cannot run as asked; the message says which folder or flag and the fix."""
+
+
+class DiskError(StageError):
+    """A write that the disk refused (full, over quota, read-only): eagle3/core/faults.py."""
+
+
+# errno values that mean "the disk cannot take this write", not "the code is wrong"
+DISK_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "read-only file system"}
+
+
+def is_disk_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
+
+
+def disk_error(exc: OSError, path: Path | str, needed_bytes: int | None = None) -> DiskError:
+    """The DiskError for `exc` raised while writing `path`: names its folder and the bytes the
+    write needed (at least; None when unknown)."""
+    folder = Path(path).parent
+    need = f"; the write needed {needed_bytes:,} bytes" if needed_bytes else ""
+    try:
+        free = os.statvfs(folder)
+        room = f", {free.f_bavail * free.f_frsize:,} bytes free there"
+    except OSError:
+        room = ""
+    fix = ("make the folder writable" if exc.errno == errno.EROFS
+           else "free space (or move --workdir)")
+    return DiskError(f"cannot write {path}: {DISK_ERRNOS[exc.errno]} in {folder}{need}{room}. "
+                     f"Nothing partial was kept; {fix}, then re-run the same command to resume")
 
 
 # The stage folders under the workdir (docs/PIPELINE.md, "Stages and what they exchange"), keyed
@@ -81,8 +111,6 @@ def atomic_writer(path: Path, keep_mode: bool = False,
     except BaseException as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        from eagle3.core.faults import disk_error, is_disk_error
-
         if is_disk_error(e):
             raise disk_error(e, path, expected_bytes or written or None) from e
         raise

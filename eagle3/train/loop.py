@@ -138,13 +138,13 @@ def _topk_arg(batch: dict) -> dict | None:
 
 @torch.no_grad()
 def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainConfig,
-             rt: Runtime, width: int, estimate: AcceptanceEstimate, topk: int = 0,
-             forward: Callable | None = None) -> dict:
+             rt: Runtime, width: int, estimate: AcceptanceEstimate, topk: int = 0) -> dict:
     """Mean per-step loss and accuracy over the eval split, and the acceptance estimate
     (verify rounds against the target's full-vocabulary argmax: eagle3/train/acceptance.py).
-    `forward`: the training forward (compiled on CUDA: the eval reuses it, in eval mode and
-    without gradients, rather than running the model eagerly); default `model`."""
-    forward = model if forward is None else forward
+
+    Eager, not through the compiled training forward: on one H200 at Kimi-K2.5 size the
+    compiled eval cost 95 s of compilation and then 3.8-4.8 s per 32 samples, no faster than
+    the eager eval measured before (BENCHMARKS.md, "Whole stage")."""
     n = min(len(files), cfg.max_eval_samples)
     rows = pack_epoch(lengths[:n], width, cfg.max_seq_len, cfg.seed, 0, shuffle=False)
     mine = rows[rt.dist.rank::rt.dist.world]
@@ -155,10 +155,10 @@ def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainC
     model.eval()
     for batch in loader:
         batch = {k: v.to(rt.device) for k, v in batch.items()}
-        masks = model.build_masks(batch["doc_ids"], compile_mask=rt.device.type == "cuda")
+        masks = model.build_masks(batch["doc_ids"])
         with rt.autocast():
-            _, s, steps_logits = forward(*_batch_args(batch), masks=masks,
-                                         topk=_topk_arg(batch), return_logits=True)
+            _, s, steps_logits = model(*_batch_args(batch), masks=masks, topk=_topk_arg(batch),
+                                       return_logits=True)
         stats += s
         estimate.add(model.draft, steps_logits, batch["input_ids"], batch["loss_mask"],
                      batch["doc_ids"], batch["final"], batch.get("target_top"))
@@ -381,7 +381,7 @@ def _run_eval(run: TrainRun, step: int) -> dict:
         return {}
     t0 = time.perf_counter()
     result = evaluate(run.model, data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width,
-                      run.estimate, data.teacher_topk, run.forward)
+                      run.estimate, data.teacher_topk)
     run.eval_s.append(time.perf_counter() - t0)
     run.clock.paused_s += run.eval_s[-1]
     log.info("eval step %d | loss %s | acc %s | %s", step,
