@@ -22,10 +22,19 @@ this client:
 Requests run concurrently (enough in flight to fill the server's prefill batches) on an event
 loop; loading, converting and saving run in a few threads. The first record goes alone, as a
 probe: if its dump never appears the server is not set up for dumping and the run stops with a
-checklist. A record that fails (missing, truncated or short dump, an HTTP error) is retried up
-to `max_attempts` times, then written with its reason to `<split>/failures.jsonl`; a re-run
-retries it. A server that stops answering (restart, crash) is waited for, its flags are checked
-again, and the requests in flight are re-sent without counting against their records.
+checklist.
+
+Faults, per record. An HTTP 5xx or 429, no answer within the request deadline, or an answer cut
+by a closed connection is retried with backoff by the HTTP client (`ClientTuning.retry`); what
+still fails, an answer whose `prompt_tokens` is not the record's length, and a dump that is
+missing, unreadable (truncated), short or of the wrong shape fail the attempt. The record is
+tried again, after a backoff and under a new rid, up to `max_attempts` times, then written with
+its reasons to `<split>/failures.jsonl` (the stage stays incomplete; a re-run retries it). Every
+wait has a deadline: the request timeout, `--dump-wait-s`, `--server-wait-s`. States with NaN
+or Inf skip the record as bad (`eagle3/extract/checks.py`; not requested again). A server that
+stops answering (restart, crash) is waited for, its flags are checked again, and the requests in
+flight are re-sent without counting against their records. A stop signal lets the records in
+flight finish and starts no new one.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class SplitWriter:
     def skip(self, idx: int, reason: str) -> None:
         """Skip record `idx` as bad (never written); raises TooManyBad past `--max-bad`."""
         self.skipped.add(idx)
-        self.bad.add(self.key(idx), reason, file=self.root / INDEX_FILE)
+        self.bad.add(self.key(idx), reason)
 
     def close(self) -> ExtractCounts:
         """Rewrite the log in idx order; returns the counts with the totals of every file."""

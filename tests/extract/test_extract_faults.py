@@ -272,3 +272,13 @@ def test_save_hash_equals_the_hash_of_the_bytes_read_back_for_every_layout(tmp_p
         assert saved.sha256 == file_sha256(tmp_path / f"{dtype}.pt")
         assert saved.bytes == (tmp_path / f"{dtype}.pt").stat().st_size
         assert (tmp_path / "plain.pt").read_bytes() == (tmp_path / f"{dtype}.pt").read_bytes()
+
+
+def test_main_names_the_missing_split_file_when_merge_wrote_no_such_split(
+        merged, tiny_target_dir, tmp_path, capsys):
+    workdir = copy_merged(merged, tmp_path / "w")
+    (workdir / "01c_merged/eval.jsonl").unlink()
+    assert script_main(lambda: main_02b()(_hf(workdir, tiny_target_dir)), "02b") == 1
+    err = capsys.readouterr().err
+    assert f"{workdir / '01c_merged/eval.jsonl'}: missing" in err and "--splits" in err
+    assert not (workdir / STAGE).exists()  # refused before the stage folder was made

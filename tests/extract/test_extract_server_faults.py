@@ -23,8 +23,9 @@ from extract_helpers import (
     write_merged,
 )
 from fake_dump_server import FakeDumpServer, Faults
+from fault_helpers import small_disk
 
-from eagle3.core.faults import script_main
+from eagle3.core.faults import DiskError, script_main
 from eagle3.core.records import read_jsonl
 from eagle3.core.server import RetryPolicy
 from eagle3.core.stage import file_sha256
@@ -175,3 +176,28 @@ def test_main_stops_on_sigterm_with_resume_line_and_rerun_completes_the_stage(
     assert_same_outputs(workdir, reference)
     manifest = json.loads((workdir / STAGE / "manifest.json").read_text())
     assert manifest["skipped"] == 0 and manifest["outputs"]["train"]["failed"] == 0
+
+
+def test_extract_sglang_stops_with_disk_error_when_disk_fills_and_rerun_completes(
+        merged, reference, tiny_target_dir, server, layers, tmp_path, monkeypatch):
+    with small_disk(tmp_path / "disk", kib=1024) as disk:
+        if disk is None:
+            pytest.skip("cannot mount a small tmpfs here (not root)")
+        workdir = copy_merged(merged, disk / "w")
+        real = SplitWriter.mark_written
+
+        def fill_after_two(self, idx, *a, **kw):
+            real(self, idx, *a, **kw)
+            if len(self.done) == 2 and not (disk / "ballast").exists():
+                free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+                (disk / "ballast").write_bytes(b"\0" * (free - 8_000))
+
+        monkeypatch.setattr(SplitWriter, "mark_written", fill_after_two)
+        with pytest.raises(DiskError, match=f"no space left in {disk / 'w' / STAGE / 'train'}"):
+            library_run(workdir, tiny_target_dir, server, layers)
+        assert not [p for p in (workdir / STAGE).rglob(".*tmp")]
+        (disk / "ballast").unlink()
+        monkeypatch.setattr(SplitWriter, "mark_written", real)
+        assert library_run(workdir, tiny_target_dir, server, layers)["failed"] == 0
+        assert_good_files(workdir, reference)
+        assert list(server.dump_config.dump_dir.iterdir()) == []
