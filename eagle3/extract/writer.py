@@ -5,8 +5,9 @@ index in the merged split file, each file written atomically; `<split>/index.jso
 `{idx, id, tokens, bytes, sha256}` once a file is on disk (sha256: of the file's bytes, hashed as
 they are written; readers verify it), rewritten in idx order when the split ends (the same bytes
 however the run was batched or killed). A full or read-only disk stops the stage with a
-DiskError naming the folder and the bytes needed; no partial file is kept. Resume is by record id: every existing file
-must hold the record now at its index (checked through the log, or the file's own `meta.id`
+DiskError naming the folder and the bytes needed; no partial file is kept.
+
+Resume is by record id: every existing file must hold the record now at its index (checked through the log, or the file's own `meta.id`
 when the log lost its tail to a kill), otherwise the merged split changed under the folder and
 the stage refuses to mix the two. A file found without its log line is hashed again; one that
 does not load, or whose size differs from its log line, is removed and extracted again.
@@ -157,7 +158,8 @@ class SplitWriter:
     def _disk_error(self, exc: OSError, entry: dict | None) -> OSError | DiskError:
         if not is_disk_error(exc):
             return exc
-        return disk_error(exc, self.root / INDEX_FILE, len(json.dumps(entry)) + 1 if entry else None)
+        need = len(json.dumps(entry)) + 1 if entry else None
+        return disk_error(exc, self.root / INDEX_FILE, need)
 
     def _scan(self) -> dict[int, dict]:
         files = {hs.file_index(p): p for p in self.root.glob("shard_*/data_*.pt")}
