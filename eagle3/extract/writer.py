@@ -7,9 +7,9 @@ they are written; readers verify it), rewritten in idx order when the split ends
 however the run was batched or killed). A full or read-only disk stops the stage with a
 DiskError naming the folder and the bytes needed; no partial file is kept.
 
-Resume is by record id: every existing file must hold the record now at its index (checked through the log, or the file's own `meta.id`
-when the log lost its tail to a kill), otherwise the merged split changed under the folder and
-the stage refuses to mix the two. A file found without its log line is hashed again; one that
+Resume is by record id: every existing file must hold the record now at its index (checked
+through the log, or the file's own `meta.id` when the log lost its tail to a kill), otherwise
+the merged split changed under the folder and the stage refuses to mix the two. A file found without its log line is hashed again; one that
 does not load, or whose size differs from its log line, is removed and extracted again.
 """
 
