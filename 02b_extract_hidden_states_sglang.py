@@ -16,6 +16,15 @@ output. Re-running resumes by record id; records that failed every attempt are l
 `<split>/failures.jsonl`, retried by a re-run, and keep the stage incomplete unless
 `--accept-failures`.
 
+Faults: a merged line that is not a valid record (bad JSON, missing or out-of-vocabulary
+input_ids, a loss_mask of another length, a repeated id) and a record whose target states hold
+NaN/Inf are skipped into `02b_hidden_states/skipped.jsonl` and counted in the summary and the
+manifest; past `--max-bad` the stage stops naming the list. A server fault (HTTP error, no
+answer, a cut answer, a wrong token count, a bad dump) is retried with backoff, then the record
+goes to `failures.jsonl`. Each file's sha256 is in `<split>/index.jsonl`. A full or read-only
+disk stops the stage naming the folder and the bytes needed; SIGTERM stops it after the records
+in flight (exit 143). Either way the files written are kept: re-run the same command.
+
 Tiny target (demo):
     python 02b_extract_hidden_states_sglang.py --workdir runs/demo --target runs/demo/target \\
         --backend hf

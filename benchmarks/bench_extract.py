@@ -114,7 +114,9 @@ def write_dumps(dump_dir: Path, args, records: list[dict]) -> Clock:
 def convert_all(dump_dir: Path, out: Path, records, expected, dtype, workers: int) -> Clock:
     def one(rec):
         path = sglang_dump.dump_file_path(dump_dir, rec["rid"])
-        return convert_dump(path, rec["rid"], rec, expected, dtype, hs.file_path(out, rec["i"]))
+        dest = hs.file_path(out, rec["i"])
+        return convert_dump(path, rec["rid"], rec, expected, dtype,
+                            lambda data: hs.save_with_sha256(data, dest))
 
     with Clock() as clock:
         if workers <= 1:

@@ -10,8 +10,10 @@ of that prompt alone: aux = `output_hidden_states[i]` at the capture indices, fi
 post-norm last hidden state.
 
 Faults, for the client's tests (`Faults`): a dump deleted or truncated after the answer, a chunk
-run in a MIXED pass (so never dumped: a short file), cached tokens in the answer, a slow server,
-the states of other layers than the ones announced; `restart()` takes the server down and up.
+run in a MIXED pass (so never dumped: a short file), a dump whose aux states lose a row, cached
+tokens or a wrong prompt_tokens in the answer, HTTP 500, no answer (a hang), an answer cut
+half-way by a closed connection, NaN in the states, a slow server, the states of other layers
+than the ones announced; `restart()` takes the server down and up.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ class Faults:
     always_drop: set[str] = field(default_factory=set)  # every attempt's dump deleted
     cached_tokens: int = 0  # reported in every answer's meta_info
     pass_delay_s: float = 0.0  # sleep per forward pass (a slow server)
+    # Keyed by the first attempt's rid, every request of the record counts (HTTP retries and
+    # later attempts): how many more requests go wrong that way.
+    http_500: dict[str, int] = field(default_factory=dict)  # HTTP 500, nothing computed
+    hang: dict[str, int] = field(default_factory=dict)  # no answer for hang_s (client times out)
+    close_midway: dict[str, int] = field(default_factory=dict)  # half an answer, then closed
+    wrong_prompt_tokens: dict[str, int] = field(default_factory=dict)  # prompt_tokens + 1
+    short_rows_dump: dict[str, int] = field(default_factory=dict)  # aux loses its last row
+    truncate_dump: dict[str, int] = field(default_factory=dict)  # dump cut to half its bytes
+    nan_states: dict[str, int] = field(default_factory=dict)  # NaN in that many values of the
+    # second capture, on every request of the record (a bf16 overflow in the target)
+    hang_s: float = 30.0
 
 
 @dataclass
@@ -161,23 +174,50 @@ class FakeDumpServer:
 
     # ------------------------------------------------------------ serving
 
+    def _hit(self, table: dict[str, int], rid: str) -> bool:
+        """Whether this request of `rid`'s record takes the fault of `table` (and count it)."""
+        base = rid.split("+retry")[0]
+        if table.get(base, 0) <= 0:
+            return False
+        table[base] -= 1
+        return True
+
     async def _generate(self, request):
         body = await request.json()
         rid, ids = body["rid"], body["input_ids"]
         assert body["sampling_params"]["max_new_tokens"] == 1, body["sampling_params"]
         self.generate_calls.append(rid)
+        if self._hit(self.faults.http_500, rid):
+            return web.Response(status=500, text="injected internal error")
+        if self._hit(self.faults.hang, rid):
+            await asyncio.sleep(self.faults.hang_s)
+            return web.Response(status=504, text="injected hang")
+        if self._hit(self.faults.close_midway, rid):
+            return await self._close_midway(request)
         req = _Request(rid, ids, asyncio.get_running_loop().create_future())
         t0 = time.time()
         self._queue.append(req)
         self._wake.set()
         await req.future
         self._after_answer(rid)
+        extra = 1 if self._hit(self.faults.wrong_prompt_tokens, rid) else 0
         return web.json_response({
             "text": "", "output_ids": [0],
-            "meta_info": {"id": rid, "prompt_tokens": len(ids),
+            "meta_info": {"id": rid, "prompt_tokens": len(ids) + extra,
                           "cached_tokens": self.faults.cached_tokens, "completion_tokens": 1,
                           "e2e_latency": time.time() - t0,
                           "finish_reason": {"type": "length", "length": 1}}})
+
+    @staticmethod
+    async def _close_midway(request):
+        """Headers and half of a JSON body, then the connection drops (a crashed worker)."""
+        body = b'{"text": "", "output_ids": [0], "meta_info": {"prompt_tokens": 1, "cac'
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        resp.content_length = 2 * len(body)
+        await resp.prepare(request)
+        await resp.write(body)
+        request.transport.close()
+        return resp
 
     async def _schedule(self) -> None:
         while True:
@@ -218,7 +258,7 @@ class FakeDumpServer:
         aux_rows, final_rows, lens = [], [], []
         for req, rows in chunks:
             if req.states is None:
-                req.states = self._states(req.input_ids)
+                req.states = self._states(req.input_ids, req.rid)
             aux, final = req.states
             aux_rows.append(aux[req.done:req.done + rows])
             final_rows.append(final[req.done:req.done + rows])
@@ -237,10 +277,17 @@ class FakeDumpServer:
             final_rows[0].shape[-1], dim=-1))
         return model, batch, torch.cat(final_rows), aux_out
 
-    def _states(self, input_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _states(self, input_ids: list[int], rid: str) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([input_ids])
         aux, final = hs.capture_hf(self.model, ids, torch.ones_like(ids), self.state_layers)
-        return torch.cat([a[0] for a in aux], dim=-1), final[0]
+        aux_TK = torch.cat([a[0] for a in aux], dim=-1)
+        n_nan = self.faults.nan_states.get(rid.split("+retry")[0], 0)
+        if n_nan:  # the second capture's first n_nan values
+            H = final.shape[-1]
+            second = aux_TK[:, H:2 * H].clone().view(-1)
+            second[:n_nan] = float("nan")
+            aux_TK[:, H:2 * H] = second.view(-1, H)
+        return aux_TK, final[0]
 
     def _after_answer(self, rid: str) -> None:
         path = sglang_dump.dump_file_path(self.dump_config.dump_dir, rid)
@@ -248,7 +295,12 @@ class FakeDumpServer:
         if rid in self.faults.drop_dump_once or base in self.faults.always_drop:
             self.faults.drop_dump_once.discard(rid)
             path.unlink(missing_ok=True)
-        if rid in self.faults.truncate_dump_once and path.exists():
+        truncate_once = rid in self.faults.truncate_dump_once
+        if (truncate_once or self._hit(self.faults.truncate_dump, rid)) and path.exists():
             self.faults.truncate_dump_once.discard(rid)
             data = path.read_bytes()
             path.write_bytes(data[:len(data) // 2])
+        if self._hit(self.faults.short_rows_dump, rid) and path.exists():
+            dump = sglang_dump.load_dump(path)  # num_tokens still says T
+            dump["aux_hidden_states"] = dump["aux_hidden_states"][:-1].clone()
+            torch.save(dump, path)

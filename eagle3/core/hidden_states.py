@@ -33,7 +33,9 @@ bytes a token.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -203,15 +205,49 @@ def load(path: Path, mmap: bool = False) -> dict:
 
 def save(data: dict, path: Path) -> int:
     """Write a file atomically and durably (temp file, fsync, rename); returns its size.
+    `save_with_sha256` also returns the hash of the bytes written."""
+    return save_with_sha256(data, path).bytes
+
+
+@dataclass(frozen=True)
+class SavedFile:
+    """What `save_with_sha256` wrote: the file's size and the hex sha256 of its bytes."""
+
+    bytes: int
+    sha256: str
+
+
+class _HashingWriter:
+    """A write-only file that hashes every byte on its way to `f`. torch.save writes a
+    file-like object strictly in sequence (a `write` callback, no seek), so the hash is the
+    hash of the file as written, without reading it back."""
+
+    def __init__(self, f):
+        self._f, self.sha = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        return self._f.write(b)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def save_with_sha256(data: dict, path: Path) -> SavedFile:
+    """`save`, returning the size and the sha256 of the bytes written (02b's index records it;
+    readers verify it). Hashing on the way costs what sha256 costs (about 2 GB/s a core), no
+    second read.
 
     torch.save goes straight to the temp file (no in-memory copy of a file that can reach
     470 MB); a killed writer leaves only a `.data_*.tmp` file, which the stage sweeps
-    (`eagle3.core.stage.sweep_temp_files`).
+    (`eagle3.core.stage.sweep_temp_files`). A full or read-only disk raises
+    `eagle3.core.faults.DiskError` (the folder, the bytes needed), the temp file removed.
     """
     with atomic_writer(path) as f:
-        torch.save(data, f)
+        out = _HashingWriter(f)
+        torch.save(data, out)
         size = f.tell()
-    return size
+    return SavedFile(size, out.sha.hexdigest())
 
 
 def validate(data: dict, expected_hidden: int, path: Path | str = "<memory>") -> None:

@@ -33,6 +33,10 @@ class ExtractConfig(UpstreamStageFlags):
     splits: list[str] = arg(["train", "eval"], "merged splits to extract")
     disk_margin: float = arg(0.1, "free disk required beyond the estimate (fraction)")
     accept_failures: bool = arg(False, "complete the stage even if records failed every attempt")
+    max_bad: int = arg(100, "records skipped as bad (an invalid merged line, NaN/Inf target "
+                            "states; listed in skipped.jsonl) before the stage stops (-1 = no "
+                            "limit). Like --max-failures: a few are the data's, hundreds mean "
+                            "a systematic fault (another tokenizer or target)")
     server_url: str = arg("http://127.0.0.1:30000", "sglang: the dump server")
     dump_dir: Path | None = arg(None, "sglang: the server's EAGLE3_DUMP_DIR (same machine)")
     rid_prefix: str = arg(DEFAULT_RID_PREFIX, "sglang: the server's EAGLE3_DUMP_RID_PREFIX")
@@ -63,6 +67,8 @@ class ExtractConfig(UpstreamStageFlags):
             raise ValueError("--workers, --max-attempts and --max-batch-size must be >= 1")
         if self.concurrency < 0 or self.verify_against_hf < 0 or self.disk_margin < 0:
             raise ValueError("--concurrency, --verify-against-hf and --disk-margin must be >= 0")
+        if self.max_bad < -1:
+            raise ValueError("--max-bad must be >= 0, or -1 for no limit")
         if self.teacher_topk < 1:
             raise ValueError("--teacher-topk must be >= 1 (64 keeps Kimi-K2.5 under 22 KB/token)")
 

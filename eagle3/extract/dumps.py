@@ -6,11 +6,15 @@ are in eagle3/extract/sglang.py's docstring; the dump format in eagle3/extract/s
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from eagle3.core import hidden_states as hs
 from eagle3.extract import sglang_dump
+from eagle3.extract.checks import pack_checked
 from eagle3.extract.writer import ExtractError, check_disk, record_meta
 
 DUMP_BYTES_PER_TOKEN = 8  # x H: aux [T, 3H] + final [T, H], bf16
@@ -49,9 +53,19 @@ def check_answer(answer: dict, rid: str, num_tokens: int) -> None:
                           f"tokens, the record has {num_tokens} (truncated by the server?)")
 
 
+DUMP_KEYS = ("rid", "num_tokens", "capture_layers", "aux_hidden_states", "final_hidden_states")
+
+
 def check_dump(dump: dict, rid: str, num_tokens: int, expected: Expected, path: Path) -> None:
     """A dump file's contract; wrong widths or layers are fatal, a short dump is not."""
+    missing = [k for k in DUMP_KEYS if k not in dump]
+    if missing:
+        raise SampleError(f"unreadable dump: {path} has no {missing}")
     aux, final = dump["aux_hidden_states"], dump["final_hidden_states"]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (aux, final)):
+        raise SampleError(f"short dump: {path} holds aux {getattr(aux, 'shape', aux)!r} and "
+                          f"final {getattr(final, 'shape', final)!r}, expected two [T, width] "
+                          "tensors")
     H, K = expected.hidden_size, len(expected.capture_layers)
     if aux.shape[-1] != K * H or final.shape[-1] != H:
         hint = (" (one capture: the server captures no aux layers, or another target)"
@@ -66,14 +80,17 @@ def check_dump(dump: dict, rid: str, num_tokens: int, expected: Expected, path: 
                            "(python -m eagle3.extract.patching) and pass matching --capture-layers")
     if dump["rid"] != rid:
         raise SampleError(f"wrong dump: {path} holds rid {dump['rid']!r}, expected {rid!r}")
-    if dump["num_tokens"] != num_tokens or aux.shape[0] != num_tokens != final.shape[0]:
+    if dump["num_tokens"] != num_tokens or num_tokens != aux.shape[0] or \
+            num_tokens != final.shape[0]:
         raise SampleError(f"short dump: {path} holds {dump['num_tokens']} tokens "
                           f"({aux.shape[0]}/{final.shape[0]} rows), the record {num_tokens}")
 
 
 def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str,
-                 out: Path, teacher=None) -> int:
-    """Load and check a dump, write the record's file, delete the dump; returns bytes written."""
+                 save: Callable[[dict], hs.SavedFile], teacher=None) -> hs.SavedFile:
+    """Load and check a dump, write the record's file through `save` (SplitWriter.save of the
+    record), delete the dump; returns what was written. Raises SampleError for a dump to
+    request again, checks.BadStates for finite-less states (the record is skipped)."""
     try:
         dump = sglang_dump.load_dump(path)
     except Exception as e:  # a torn zip, a wrong pickle, a vanished file: all per-sample
@@ -81,11 +98,11 @@ def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str
     check_dump(dump, rid, len(rec["input_ids"]), expected, path)
     H = expected.hidden_size
     aux = list(dump["aux_hidden_states"].split(H, dim=-1))
-    data = hs.pack(rec["input_ids"], rec["loss_mask"], aux, dump["final_hidden_states"],
-                   record_meta(rec, list(expected.capture_layers)), dtype, teacher)
-    nbytes = hs.save(data, out)
+    data = pack_checked(rec, aux, dump["final_hidden_states"],
+                        record_meta(rec, list(expected.capture_layers)), dtype, teacher)
+    saved = save(data)
     path.unlink(missing_ok=True)
-    return nbytes
+    return saved
 
 
 def clean_dump_dir(dump_dir: Path, rid_prefix: str) -> int:

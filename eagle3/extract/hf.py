@@ -18,6 +18,7 @@ import torch
 
 from eagle3.core import hidden_states as hs
 from eagle3.core.target import TargetInfo, load_hf_model
+from eagle3.extract.checks import BadStates, pack_checked
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.teacher import maybe_teacher
 from eagle3.extract.writer import (
@@ -76,30 +77,53 @@ def extract_hf(model, writers: dict[str, SplitWriter], capture_layers: list[int]
 def extract_split(model, writer: SplitWriter, capture_layers: list[int], dtype: str,
                   max_tokens: int, max_batch: int, prog: ExtractProgress,
                   teacher=None) -> ExtractCounts:
-    """Write a file for every record of the split still without one; returns the counts."""
-    records, device = writer.records, model.device
-    for batch in fixed_batches([len(r["input_ids"]) for r in records], max_tokens, max_batch):
-        todo = [i for i in batch if i not in writer.done]
-        if not todo:
-            continue
-        width = max(len(records[i]["input_ids"]) for i in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for b, i in enumerate(batch):  # right padding: causal attention never sees it
-            n = len(records[i]["input_ids"])
-            ids[b, :n] = torch.tensor(records[i]["input_ids"])
-            attn[b, :n] = 1
-        # The whole fixed batch runs even when some files exist: same shapes, same bytes.
-        aux, final = hs.capture_hf(model, ids.to(device), attn.to(device), capture_layers)
-        for b, i in enumerate(batch):
-            if i not in todo:
-                continue
-            rec, n = records[i], len(records[i]["input_ids"])
-            data = hs.pack(rec["input_ids"], rec["loss_mask"], [a[b, :n].cpu() for a in aux],
-                           final[b, :n].cpu(), record_meta(rec, capture_layers), dtype, teacher)
-            writer.mark_written(i, n, hs.save(data, writer.path(i)))
-            prog.advance(n, writer.done[i]["bytes"])
+    """Write a file for every record of the split still without one; returns the counts.
+    Records with NaN/Inf states are skipped as bad; a stop signal ends the split after the
+    batch in flight."""
+    records = writer.records
+    good = [i for i, r in enumerate(records) if r is not None]  # bad lines: never batched
+    try:
+        for batch in fixed_batches([len(records[i]["input_ids"]) for i in good], max_tokens,
+                                   max_batch):
+            if writer.stopping:
+                break
+            batch = [good[b] for b in batch]
+            todo = {i for i in batch if i not in writer.done and i not in writer.skipped}
+            if todo:
+                _extract_batch(model, writer, batch, todo, capture_layers, dtype, prog, teacher)
+    except BaseException:
+        writer.abandon()
+        raise
     return writer.close()
+
+
+def _extract_batch(model, writer: SplitWriter, batch: list[int], todo: set[int],
+                   capture_layers: list[int], dtype: str, prog: ExtractProgress,
+                   teacher) -> None:
+    """One fixed batch through the target; files for the records of `todo`."""
+    records, device = writer.records, model.device
+    width = max(len(records[i]["input_ids"]) for i in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, i in enumerate(batch):  # right padding: causal attention never sees it
+        n = len(records[i]["input_ids"])
+        ids[b, :n] = torch.tensor(records[i]["input_ids"])
+        attn[b, :n] = 1
+    # The whole fixed batch runs even when some files exist: same shapes, same bytes.
+    aux, final = hs.capture_hf(model, ids.to(device), attn.to(device), capture_layers)
+    for b, i in enumerate(batch):
+        if i not in todo:
+            continue
+        rec, n = records[i], len(records[i]["input_ids"])
+        try:
+            data = pack_checked(rec, [a[b, :n].cpu() for a in aux], final[b, :n].cpu(),
+                                record_meta(rec, capture_layers), dtype, teacher)
+        except BadStates as e:
+            writer.skip(i, str(e))
+            continue
+        saved = writer.save(i, data)
+        writer.mark_written(i, n, saved.bytes, saved.sha256)
+        prog.advance(n, saved.bytes)
 
 
 # ---------------------------------------------------------------- verification against hf

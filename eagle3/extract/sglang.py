@@ -22,16 +22,26 @@ this client:
 Requests run concurrently (enough in flight to fill the server's prefill batches) on an event
 loop; loading, converting and saving run in a few threads. The first record goes alone, as a
 probe: if its dump never appears the server is not set up for dumping and the run stops with a
-checklist. A record that fails (missing, truncated or short dump, an HTTP error) is retried up
-to `max_attempts` times, then written with its reason to `<split>/failures.jsonl`; a re-run
-retries it. A server that stops answering (restart, crash) is waited for, its flags are checked
-again, and the requests in flight are re-sent without counting against their records.
+checklist.
+
+Faults, per record. An HTTP 5xx or 429, no answer within the request deadline, or an answer cut
+by a closed connection is retried with backoff by the HTTP client (`ClientTuning.retry`); what
+still fails, an answer whose `prompt_tokens` is not the record's length, and a dump that is
+missing, unreadable (truncated), short or of the wrong shape fail the attempt. The record is
+tried again, after a backoff and under a new rid, up to `max_attempts` times, then written with
+its reasons to `<split>/failures.jsonl` (the stage stays incomplete; a re-run retries it). Every
+wait has a deadline: the request timeout, `--dump-wait-s`, `--server-wait-s`. States with NaN
+or Inf skip the record as bad (`eagle3/extract/checks.py`; not requested again). A server that
+stops answering (restart, crash) is waited for, its flags are checked again, and the requests in
+flight are re-sent without counting against their records. A stop signal lets the records in
+flight finish and starts no new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import math
 import shutil
@@ -42,6 +52,7 @@ from pathlib import Path
 
 import aiohttp
 
+from eagle3.core.hidden_states import SavedFile
 from eagle3.core.preflight import raise_on_errors
 from eagle3.core.progress import human_bytes
 from eagle3.core.server import (
@@ -55,6 +66,7 @@ from eagle3.core.server import (
 )
 from eagle3.core.target import TargetInfo
 from eagle3.extract import hf, sglang_dump
+from eagle3.extract.checks import BadStates
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.dump_server import check_dump_server
 from eagle3.extract.dumps import (
@@ -189,20 +201,21 @@ class SglangExtractor:
         try:
             await self._run(head, writer, prog, failures)
             report = None
-            if verify is not None and verify_n:
+            if verify is not None and verify_n and not writer.stopping:
                 idxs = [i for i in range(min(verify_n, len(writer.records))) if i in writer.done]
                 loop = asyncio.get_running_loop()
                 report = await loop.run_in_executor(None, verify, writer, idxs)
             await self._run([i for i in pending if i >= verify_n], writer, prog, failures)
-        finally:
-            failures.close(writer)
-            counts = writer.close()
-        return counts, report
+        except BaseException:
+            writer.abandon()  # failures.jsonl is already on disk (written at each failure)
+            raise
+        failures.close(writer)
+        return writer.close(), report
 
     async def _run(self, idxs: list[int], writer: SplitWriter, prog: ExtractProgress,
                    failures: FailureLog) -> None:
         idxs = list(idxs)
-        while idxs and not self._any_success:  # the probe: one record at a time
+        while idxs and not self._any_success and not writer.stopping:  # the probe: one by one
             await self._process(idxs.pop(0), writer, prog, failures, probe=True)
         if not idxs:
             return
@@ -210,6 +223,8 @@ class SglangExtractor:
 
         async def worker() -> None:
             for idx in queue:  # one shared iterator: each record is taken once
+                if writer.stopping:  # the records in flight finish; no new one starts
+                    return
                 await self._process(idx, writer, prog, failures)
 
         # More tasks than request slots: the extra ones hold answered records whose dumps wait
@@ -231,27 +246,34 @@ class SglangExtractor:
         rec = writer.records[idx]
         reasons = []
         for attempt in range(self.cfg.max_attempts):
+            if attempt:  # back off: a server that failed this record may be overloaded
+                await asyncio.sleep(self.tuning.retry.delay_s(attempt))
             rid = make_rid(self.cfg.rid_prefix, rec["id"], attempt)
             dump = sglang_dump.dump_file_path(self.cfg.dump_dir, rid)
             dump.unlink(missing_ok=True)
             try:
-                nbytes = await self._attempt(rid, dump, rec, writer.path(idx))
+                saved = await self._attempt(rid, dump, rec, functools.partial(writer.save, idx))
             except SampleError as e:
                 reasons.append(str(e))
                 log.warning("record %s (attempt %d/%d): %s", rec["id"], attempt + 1,
                             self.cfg.max_attempts, e)
                 continue
+            except BadStates as e:  # the target's own states: a new request gives the same
+                self._any_success = True  # the server dumps: the probe has its answer
+                writer.skip(idx, str(e))
+                return
             finally:
                 dump.unlink(missing_ok=True)
             self._any_success = True
-            writer.mark_written(idx, len(rec["input_ids"]), nbytes)
-            prog.advance(len(rec["input_ids"]), nbytes)
+            writer.mark_written(idx, len(rec["input_ids"]), saved.bytes, saved.sha256)
+            prog.advance(len(rec["input_ids"]), saved.bytes)
             return
         if probe and not self._any_success and reasons[-1].startswith("missing dump"):
             raise ExtractError(self._no_dump_help(rec, reasons[-1]))
         failures.add(idx, rec["id"], reasons)
 
-    async def _attempt(self, rid: str, dump: Path, rec: dict, out: Path) -> int:
+    async def _attempt(self, rid: str, dump: Path, rec: dict,
+                       save: Callable[[dict], SavedFile]) -> SavedFile:
         ids = rec["input_ids"]
         answer = await self._send(rid, ids)
         check_answer(answer, rid, len(ids))
@@ -266,7 +288,7 @@ class SglangExtractor:
             delay = min(delay * 2, 0.5)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, convert_dump, dump, rid, rec,
-                                          self.expected, self.dtype, out, self.teacher)
+                                          self.expected, self.dtype, save, self.teacher)
 
     async def _send(self, rid: str, ids: list[int]) -> dict:
         """/generate, riding out server restarts (which do not count against the record)."""

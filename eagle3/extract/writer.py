@@ -2,11 +2,15 @@
 
 Output of a split (docs/PIPELINE.md): `<split>/shard_NNNNN/data_<idx>.pt`, idx = the record's line
 index in the merged split file, each file written atomically; `<split>/index.jsonl` logs
-`{idx, id, tokens, bytes}` once a file is on disk, rewritten in idx order when the split ends
-(the same bytes however the run was batched or killed). Resume is by record id: every existing file
-must hold the record now at its index (checked through the log, or the file's own `meta.id`
-when the log lost its tail to a kill), otherwise the merged split changed under the folder and
-the stage refuses to mix the two.
+`{idx, id, tokens, bytes, sha256}` once a file is on disk (sha256: of the file's bytes, hashed as
+they are written; readers verify it), rewritten in idx order when the split ends (the same bytes
+however the run was batched or killed). A full or read-only disk stops the stage with a
+DiskError naming the folder and the bytes needed; no partial file is kept.
+
+Resume is by record id: every existing file must hold the record now at its index (checked
+through the log, or the file's own `meta.id` when the log lost its tail to a kill), otherwise
+the merged split changed under the folder and the stage refuses to mix the two. A file found without its log line is hashed again; one that
+does not load, or whose size differs from its log line, is removed and extracted again.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core import hidden_states as hs
+from eagle3.core.faults import BadRecords, DiskError, StopSignals, disk_error, is_disk_error
 from eagle3.core.progress import human_bytes, human_seconds, progress
 from eagle3.core.records import JsonlAppender, read_jsonl
-from eagle3.core.stage import atomic_write_bytes, sweep_temp_files
+from eagle3.core.stage import atomic_write_bytes, file_sha256, sweep_temp_files
+from eagle3.extract.checks import skip_key
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,7 @@ class ExtractCounts:
     written: int = 0  # files written by this run
     skipped_existing: int = 0  # files found from an earlier run
     failed: int = 0  # records without a file at the end (see failures.jsonl)
+    skipped_bad: int = 0  # records skipped as bad, this run or earlier (see skipped.jsonl)
     tokens: int = 0  # tokens in all files of the split
     bytes: int = 0  # bytes of all files of the split
     written_tokens: int = 0  # tokens in the files this run wrote
@@ -52,47 +59,107 @@ def record_meta(rec: dict, capture_layers: list[int]) -> dict:
 
 
 class SplitWriter:
-    """One split's output folder: files by record index, resumed by record id, with counts."""
+    """One split's output folder: files by record index, resumed by record id, with counts.
 
-    def __init__(self, root: Path, records: list[dict]):
+    `records[idx]` is None for a merged line skipped as bad (`eagle3/extract/checks.py`); `bad`
+    is the stage's skip list (default: `skipped.jsonl` beside the split folder, no limit), and a
+    record it lists from an earlier run (non-finite states) is not extracted again. `stop`: the
+    stage's StopSignals, which the backends poll (`stopping`) between records.
+    """
+
+    def __init__(self, root: Path, records: list[dict | None], bad: BadRecords | None = None,
+                 stop: StopSignals | None = None):
         self.root = Path(root)
         self.records = records
+        self.bad = bad if bad is not None else BadRecords(self.root.parent, -1)
+        self.stop = stop
         _check_unique_ids(records, self.root)
         self.root.mkdir(parents=True, exist_ok=True)
         sweep_temp_files(self.root)  # open_stage swept too; a split may be written alone
-        self.done = self._scan()  # idx -> {"idx", "id", "tokens", "bytes"}
+        self.skipped = {i for i, r in enumerate(records)
+                        if r is None or self.key(i) in self.bad.seen}
+        self.done = self._scan()  # idx -> {"idx", "id", "tokens", "bytes", "sha256"}
         self._index = JsonlAppender(self.root / INDEX_FILE)
         for entry in self.done.values():
             if entry.pop("unlogged", False):
-                self._index.write(entry)
-        self._index.flush()
+                self._log(entry)
+        self._flush_index()
         self.counts = ExtractCounts(skipped_existing=len(self.done))
 
     def path(self, idx: int) -> Path:
         return hs.file_path(self.root, idx)
 
-    def pending(self) -> list[int]:
-        """Indices of the records without a file, ascending."""
-        return [i for i in range(len(self.records)) if i not in self.done]
+    def key(self, idx: int) -> str:
+        """The record's key in the skip list."""
+        return skip_key(self.root.name, self.records[idx]["id"])
 
-    def mark_written(self, idx: int, tokens: int, nbytes: int) -> None:
-        entry = {"idx": idx, "id": self.records[idx]["id"], "tokens": tokens, "bytes": nbytes}
-        self._index.write(entry)
+    @property
+    def stopping(self) -> bool:
+        """A stop signal arrived: take no new record."""
+        return self.stop is not None and self.stop.requested
+
+    def pending(self) -> list[int]:
+        """Indices of the records without a file (and not skipped), ascending."""
+        return [i for i in range(len(self.records)) if i not in self.done
+                and i not in self.skipped]
+
+    def save(self, idx: int, data: dict) -> hs.SavedFile:
+        """Write record `idx`'s file (any thread); `mark_written` it afterwards."""
+        return hs.save_with_sha256(data, self.path(idx))
+
+    def mark_written(self, idx: int, tokens: int, nbytes: int, sha256: str | None = None) -> None:
+        """Log a file on disk; `sha256` of its bytes (None: read back to hash it)."""
+        entry = {"idx": idx, "id": self.records[idx]["id"], "tokens": tokens, "bytes": nbytes,
+                 "sha256": sha256 or file_sha256(self.path(idx))}
+        self._log(entry)
         self.done[idx] = entry
         self.counts.written += 1
         self.counts.written_tokens += tokens
         self.counts.written_bytes += nbytes
 
+    def skip(self, idx: int, reason: str) -> None:
+        """Skip record `idx` as bad (never written); raises TooManyBad past `--max-bad`."""
+        self.skipped.add(idx)
+        self.bad.add(self.key(idx), reason)
+
     def close(self) -> ExtractCounts:
         """Rewrite the log in idx order; returns the counts with the totals of every file."""
-        self._index.close()
+        self._flush_index(close=True)
         lines = (json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in sorted(self.done))
         atomic_write_bytes(self.root / INDEX_FILE, "".join(lines).encode())
         c = self.counts
         c.tokens = sum(e["tokens"] for e in self.done.values())
         c.bytes = sum(e["bytes"] for e in self.done.values())
-        c.failed = len(self.records) - len(self.done)
+        c.skipped_bad = len(self.skipped)
+        c.failed = len(self.records) - len(self.done) - len(self.skipped)
         return c
+
+    def abandon(self) -> None:
+        """After an error: hand the logged lines to the OS, best effort (a full disk may refuse
+        them; those files then count as unlogged on resume and are hashed again)."""
+        try:
+            self._index.close()
+        except OSError as e:
+            log.warning("%s: could not flush the index (%s); the resume re-reads those files",
+                        self.root / INDEX_FILE, e)
+
+    def _log(self, entry: dict) -> None:
+        try:
+            self._index.write(entry)
+        except OSError as e:
+            raise self._disk_error(e, entry) from e
+
+    def _flush_index(self, close: bool = False) -> None:
+        try:
+            self._index.close() if close else self._index.flush()
+        except OSError as e:
+            raise self._disk_error(e, None) from e
+
+    def _disk_error(self, exc: OSError, entry: dict | None) -> OSError | DiskError:
+        if not is_disk_error(exc):
+            return exc
+        need = len(json.dumps(entry)) + 1 if entry else None
+        return disk_error(exc, self.root / INDEX_FILE, need)
 
     def _scan(self) -> dict[int, dict]:
         files = {hs.file_index(p): p for p in self.root.glob("shard_*/data_*.pt")}
@@ -101,28 +168,50 @@ class SplitWriter:
             logged = {e["idx"]: e for e in read_jsonl(self.root / INDEX_FILE)}
         done = {}
         for idx, path in sorted(files.items()):
-            if idx >= len(self.records):
-                self._refuse(path, "a record index past the end of the merged split")
+            if idx >= len(self.records) or self.records[idx] is None:
+                self._refuse(path, "a record index past the end of the merged split"
+                             if idx >= len(self.records) else "a record whose line is now bad")
             entry = logged.get(idx)
+            if entry is not None and entry["bytes"] != path.stat().st_size:
+                log.warning("%s has %d bytes, its index line says %d: extracting it again",
+                            path, path.stat().st_size, entry["bytes"])
+                path.unlink()
+                continue
             if entry is None:  # written, then killed before the log line: read the file itself
-                data = hs.load(path, mmap=True)
-                entry = {"idx": idx, "id": data["meta"]["id"], "unlogged": True,
-                         "tokens": int(data["input_ids"].shape[0]),
-                         "bytes": path.stat().st_size}
+                entry = self._unlogged_entry(idx, path)
+                if entry is None:
+                    continue
             if entry["id"] != self.records[idx]["id"]:
                 self._refuse(path, f"record {entry['id']!r}, but line {idx} of the merged "
                                    f"split is {self.records[idx]['id']!r}")
             done[idx] = entry
         return done
 
+    @staticmethod
+    def _unlogged_entry(idx: int, path: Path) -> dict | None:
+        """The index entry of a file found without a log line, its sha256 read back; None
+        (and the file removed, to be extracted again) when it does not load."""
+        try:
+            data = hs.load(path, mmap=True)
+            entry = {"idx": idx, "id": data["meta"]["id"], "unlogged": True,
+                     "tokens": int(data["input_ids"].shape[0]), "bytes": path.stat().st_size,
+                     "sha256": file_sha256(path)}
+        except Exception as e:  # torn zip, wrong pickle: our own output, so redo it
+            log.warning("%s does not load (%r): extracting it again", path, e)
+            path.unlink()
+            return None
+        return entry
+
     def _refuse(self, path: Path, what: str) -> None:
         raise ExtractError(f"{path} holds {what}: the merged split changed since this folder "
                            "was written. Re-run with --force to extract it again")
 
 
-def _check_unique_ids(records: list[dict], root: Path) -> None:
+def _check_unique_ids(records: list[dict | None], root: Path) -> None:
     seen: dict[str, int] = {}
     for i, rec in enumerate(records):
+        if rec is None:
+            continue
         if rec["id"] in seen:
             raise ExtractError(f"record id {rec['id']!r} is on lines {seen[rec['id']]} and {i} "
                                f"of the split written to {root}: ids must be unique (re-run the "
@@ -220,7 +309,8 @@ class ExtractProgress:
         self.total_samples = len(writer.records)
         self.samples = len(writer.done)
         done_tokens = sum(e["tokens"] for e in writer.done.values())
-        self.bar = progress(total=sum(len(r["input_ids"]) for r in writer.records),
+        self.bar = progress(total=sum(len(writer.records[i]["input_ids"])
+                                      for i in [*writer.done, *writer.pending()]),
                             desc=desc, unit="tok")
         self.bar.unit_scale = True
         self.bar.n = self.bar.last_print_n = self.bar.initial = done_tokens  # rate: this run
@@ -247,8 +337,9 @@ def summary_rows(outputs: dict, seconds: float) -> dict:
     """Rows of the stage's summary table from the per-split counts."""
     rows = {}
     for split, o in outputs.items():
-        rows[f"{split} samples (written / resumed / failed)"] = (
-            f"{o['samples']:,} ({o['written']:,} / {o['skipped_existing']:,} / {o['failed']:,})")
+        rows[f"{split} samples (written / resumed / failed / skipped as bad)"] = (
+            f"{o['samples']:,} ({o['written']:,} / {o['skipped_existing']:,} / {o['failed']:,} "
+            f"/ {o['skipped_bad']:,})")
     tokens = sum(o["tokens"] for o in outputs.values())
     nbytes = sum(o["bytes"] for o in outputs.values())
     new_tokens = sum(o["written_tokens"] for o in outputs.values())

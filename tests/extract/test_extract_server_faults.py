@@ -1,0 +1,203 @@
+"""02b's SGLang client against a dump server that misbehaves on cue (tests/fake_dump_server.py):
+each fault (HTTP 500, no answer, an answer cut half-way, a wrong prompt_tokens, a dump short of a
+row or truncated) ends in a bounded retry with backoff and then a failure line for that record,
+never a hang and never a wrong file; NaN states are skipped as bad; SIGTERM stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from extract_helpers import (
+    STAGE,
+    assert_same_outputs,
+    copy_merged,
+    data_files,
+    main_02b,
+    write_merged,
+)
+from fake_dump_server import FakeDumpServer, Faults
+from fault_helpers import small_disk
+
+from eagle3.core.faults import DiskError, script_main
+from eagle3.core.records import read_jsonl
+from eagle3.core.server import RetryPolicy
+from eagle3.core.stage import file_sha256
+from eagle3.core.target import default_capture_layers, read_target_info
+from eagle3.extract.config import ExtractConfig
+from eagle3.extract.sglang import ClientTuning, Expected, extract_sglang, make_rid
+from eagle3.extract.writer import SplitWriter
+
+N_TRAIN = 6
+BAD = 4  # the faulted record's line (48 tokens: one full chunk)
+# fault -> the words its failure line must hold
+PERSISTENT = {"http_500": "HTTP 500", "hang": "no answer within",
+              "close_midway": "connection dropped", "wrong_prompt_tokens": "prompt_tokens",
+              "short_rows_dump": "short dump", "truncate_dump": "unreadable dump"}
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory) -> Path:
+    return write_merged(tmp_path_factory.mktemp("merged") / "w", n_train=N_TRAIN, n_eval=1)
+
+
+@pytest.fixture(scope="module")
+def layers(tiny_target_dir) -> list[int]:
+    return default_capture_layers(read_target_info(tiny_target_dir).num_hidden_layers)
+
+
+@pytest.fixture(scope="module")
+def reference(merged, tiny_target_dir, tmp_path_factory) -> Path:
+    """The hf backend's files, each record alone (what a server computes per request)."""
+    workdir = copy_merged(merged, tmp_path_factory.mktemp("hf") / "w")
+    assert main_02b()(["--workdir", str(workdir), "--target", str(tiny_target_dir),
+                       "--backend", "hf", "--max-batch-size", "1"]) == 0
+    return workdir
+
+
+@pytest.fixture
+def server(target_model, layers, tmp_path):
+    with FakeDumpServer(target_model, tmp_path / "dump", layers, faults=Faults()) as s:
+        yield s
+
+
+def rid(merged: Path, line: int) -> str:
+    return make_rid("eagle3-", list(read_jsonl(merged / "01c_merged/train.jsonl"))[line]["id"], 0)
+
+
+def library_run(workdir: Path, target: Path, server: FakeDumpServer, layers,
+                max_attempts: int = 2) -> dict:
+    """The train split through the client with short deadlines; returns its outputs."""
+    cfg = ExtractConfig(target=target, dump_dir=server.dump_config.dump_dir,
+                        server_url=server.url, concurrency=3, dump_wait_s=0.3,
+                        max_attempts=max_attempts)
+    tuning = ClientTuning(poll_s=0.1, retry=RetryPolicy(max_retries=1, base_delay_s=0.02,
+                                                        timeout_s=1.0))
+    writer = SplitWriter(workdir / STAGE / "train",
+                         list(read_jsonl(workdir / "01c_merged/train.jsonl")))
+    expected = Expected(read_target_info(target).hidden_size, tuple(layers), target)
+    outputs, _ = asyncio.run(extract_sglang(cfg, expected, {"train": writer}, tuning=tuning))
+    return outputs["train"]
+
+
+def assert_good_files(workdir: Path, reference: Path, missing: set[int] = frozenset()) -> None:
+    """The files written equal the reference's byte for byte, their index lines carry the
+    sha256 of those bytes, and only `missing` lines have none."""
+    got = {int(p.stem.split("_")[1]): p for p in (workdir / STAGE / "train").rglob("data_*.pt")}
+    assert set(got) == set(range(N_TRAIN)) - missing
+    for idx, path in got.items():
+        assert path.read_bytes() == (reference / STAGE / path.relative_to(workdir / STAGE)
+                                     ).read_bytes(), idx
+    index = list(read_jsonl(workdir / STAGE / "train/index.jsonl"))
+    assert [e["idx"] for e in index] == sorted(got)
+    assert all(e["sha256"] == file_sha256(got[e["idx"]]) for e in index)
+
+
+@pytest.mark.parametrize("fault", list(PERSISTENT))
+def test_extract_sglang_lists_record_as_failed_after_bounded_retries_when_fault_persists(
+        merged, reference, tiny_target_dir, server, layers, tmp_path, fault, caplog):
+    getattr(server.faults, fault)[rid(merged, BAD)] = 99
+    server.faults.hang_s = 30.0  # far past the client's 1 s deadline
+    workdir = copy_merged(merged, tmp_path / "w")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        out = library_run(workdir, tiny_target_dir, server, layers)
+    assert time.monotonic() - t0 < 20  # deadlines, not a hang
+    assert out["failed"] == 1 and out["written"] == N_TRAIN - 1
+    (line,) = read_jsonl(workdir / STAGE / "train/failures.jsonl")
+    assert line["idx"] == BAD and line["attempts"] == 2 and PERSISTENT[fault] in line["reason"]
+    # Bounded: 2 attempts, each at most 2 HTTP tries (max_retries=1), with a new rid each.
+    calls = [r for r in server.generate_calls if r.startswith(rid(merged, BAD))]
+    assert 2 <= len(calls) <= 4 and len(set(calls)) == 2
+    assert_good_files(workdir, reference, missing={BAD})
+    assert list(server.dump_config.dump_dir.iterdir()) == []  # no dump left behind
+
+
+def test_extract_sglang_writes_the_reference_files_when_each_fault_happens_once(
+        merged, reference, tiny_target_dir, server, layers, tmp_path):
+    for line, fault in enumerate(PERSISTENT):  # one fault kind per record, once
+        getattr(server.faults, fault)[rid(merged, line)] = 1
+    server.faults.hang_s = 30.0
+    workdir = copy_merged(merged, tmp_path / "w")
+    out = library_run(workdir, tiny_target_dir, server, layers, max_attempts=3)
+    assert out["failed"] == 0 and out["written"] == N_TRAIN
+    assert_good_files(workdir, reference)
+    assert not (workdir / STAGE / "train/failures.jsonl").exists()
+
+
+def test_extract_sglang_skips_record_naming_layer_and_count_when_states_hold_nan(
+        merged, reference, tiny_target_dir, server, layers, tmp_path):
+    server.faults.nan_states[rid(merged, BAD)] = 5
+    workdir = copy_merged(merged, tmp_path / "w")
+    out = library_run(workdir, tiny_target_dir, server, layers)
+    assert out["failed"] == 0 and out["skipped_bad"] == 1
+    (line,) = read_jsonl(workdir / STAGE / "skipped.jsonl")
+    record_id = list(read_jsonl(merged / "01c_merged/train.jsonl"))[BAD]["id"]
+    assert line["id"] == f"train:{record_id}"
+    assert line["reason"] == (f"non-finite states: record {record_id}: capture layer "
+                              f"{layers[1]} has 5 NaN/Inf values of {48 * 64:,} (a bf16 "
+                              "overflow in the target?)")
+    assert [r for r in server.generate_calls if "+retry" in r] == []  # not requested again
+    assert_good_files(workdir, reference, missing={BAD})
+    # A resumed run does not send it again: the skip list is the record's verdict.
+    calls = len(server.generate_calls)
+    out = library_run(workdir, tiny_target_dir, server, layers)
+    assert len(server.generate_calls) == calls and out["skipped_bad"] == 1
+
+
+def test_main_stops_on_sigterm_with_resume_line_and_rerun_completes_the_stage(
+        merged, reference, tiny_target_dir, server, tmp_path, monkeypatch, capsys):
+    workdir = copy_merged(merged, tmp_path / "w")
+    argv = ["--workdir", str(workdir), "--target", str(tiny_target_dir), "--server-url",
+            server.url, "--dump-dir", str(server.dump_config.dump_dir), "--concurrency", "2"]
+    real = SplitWriter.mark_written
+
+    def mark_then_signal(self, idx, *a, **kw):
+        real(self, idx, *a, **kw)
+        if len(self.done) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill <pid>` or a scheduler would
+
+    monkeypatch.setattr(SplitWriter, "mark_written", mark_then_signal)
+    assert script_main(lambda: main_02b()(argv), "02b") == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM" in err and "re-run the same command to resume" in err
+    written = len(data_files(workdir))
+    assert 2 <= written < N_TRAIN + 1 and not (workdir / STAGE / "manifest.json").exists()
+    index = list(read_jsonl(workdir / STAGE / "train/index.jsonl"))
+    assert len(index) == len([p for p in data_files(workdir) if p.parts[0] == "train"])
+    monkeypatch.setattr(SplitWriter, "mark_written", real)
+    assert main_02b()(argv) == 0
+    assert_same_outputs(workdir, reference)
+    manifest = json.loads((workdir / STAGE / "manifest.json").read_text())
+    assert manifest["skipped"] == 0 and manifest["outputs"]["train"]["failed"] == 0
+
+
+def test_extract_sglang_stops_with_disk_error_when_disk_fills_and_rerun_completes(
+        merged, reference, tiny_target_dir, server, layers, tmp_path, monkeypatch):
+    with small_disk(tmp_path / "disk", kib=1024) as disk:
+        if disk is None:
+            pytest.skip("cannot mount a small tmpfs here (not root)")
+        workdir = copy_merged(merged, disk / "w")
+        real = SplitWriter.mark_written
+
+        def fill_after_two(self, idx, *a, **kw):
+            real(self, idx, *a, **kw)
+            if len(self.done) == 2 and not (disk / "ballast").exists():
+                free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+                (disk / "ballast").write_bytes(b"\0" * (free - 8_000))
+
+        monkeypatch.setattr(SplitWriter, "mark_written", fill_after_two)
+        with pytest.raises(DiskError, match=f"no space left in {disk / 'w' / STAGE / 'train'}"):
+            library_run(workdir, tiny_target_dir, server, layers)
+        assert not [p for p in (workdir / STAGE).rglob(".*tmp")]
+        (disk / "ballast").unlink()
+        monkeypatch.setattr(SplitWriter, "mark_written", real)
+        assert library_run(workdir, tiny_target_dir, server, layers)["failed"] == 0
+        assert_good_files(workdir, reference)
+        assert list(server.dump_config.dump_dir.iterdir()) == []
