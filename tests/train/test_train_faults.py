@@ -366,3 +366,14 @@ def test_a_nonfinite_gradient_stop_names_the_records_of_its_step(damaged, tmp_pa
     records = records_of_step(data, cfg, 1, 0, 2)
     assert records and all(f"{rid} ({path})" in str(e.value) for rid, path in records)
     assert "skipped.jsonl" in str(e.value)
+
+
+def test_a_hand_edited_02b_manifest_stops_the_stage_naming_it(tmp_path):
+    from eagle3.train.stage import check_inputs
+
+    for name, text in (("02b", '{"complete": true, "capture_layers": [2, 4'), ("03", "{}")):
+        folder = tmp_path / STAGE_DIRS[name]
+        folder.mkdir()
+        (folder / "manifest.json").write_text(text)
+    with pytest.raises(InputFileError, match="02b_hidden_states/manifest.json: not valid JSON"):
+        check_inputs(th.tiny_config(tmp_path))
