@@ -4,7 +4,10 @@
 Reads `<workdir>/01c_merged/train.jsonl`; writes `<workdir>/03_vocab/vocab_mapping.safetensors`
 and `report.json` (coverage at 8K/16K/32K/64K and at the chosen size, the chosen size's coverage
 of target-written and of dataset-written supervised tokens apart, top tokens); warns when
-dataset-written text (recipes with "regenerate": false) chose part of the vocabulary.
+dataset-written text (recipes with "regenerate": false) chose part of the vocabulary. A bad
+line of the train split (torn, not JSON, wrong types, ids outside the target vocab) is skipped,
+listed in `03_vocab/skipped.jsonl` and counted in the summary, `report.json` and the manifest;
+past `--max-bad` the stage stops naming the list.
 
 Tiny target (demo):
     python 03_build_vocab_mapping.py --workdir runs/demo --target runs/demo/target \
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
-from eagle3.core.faults import script_main
+from eagle3.core.faults import BadRecords, script_main
 from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.core.records import count_jsonl
 from eagle3.core.stage import (
@@ -51,11 +54,17 @@ class VocabConfig(UpstreamStageFlags):
     target: Path = arg(help="target model folder (config.json for the vocab size, tokenizer)")
     trust_remote_code: bool = arg(False, TRUST_HELP)
     draft_vocab: int = arg(32000, "draft vocabulary size (ids)")
+    max_bad: int = arg(10, "bad lines of the merged train split (torn, not JSON, wrong types, "
+                           "ids outside the target vocab) skipped and listed in "
+                           "03_vocab/skipped.jsonl before the stage stops (-1 = no limit): a "
+                           "few barely move the vocabulary, more mean the merge went wrong")
 
     def __post_init__(self) -> None:
         check_remote_code(self.target, self.trust_remote_code)
         if self.draft_vocab < 1:
             raise ValueError("--draft-vocab must be >= 1")
+        if self.max_bad < -1:
+            raise ValueError("--max-bad must be >= 0, or -1 for no limit")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,21 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     src = cfg.workdir / UPSTREAM / "train.jsonl"
     stage.add_input(src)
     bar = progress(total=count_jsonl(src), desc="03 count", unit="rec")
-    by_origin = count_supervised_by_origin(src, info.vocab_size,
-                                           regenerated_datasets(cfg.workdir), bar)
+    bad = BadRecords(stage.dir, cfg.max_bad)
+    try:  # a stop past --max-bad ends the bar's line before the error's
+        by_origin = count_supervised_by_origin(src, info.vocab_size,
+                                               regenerated_datasets(cfg.workdir), bar, bad=bad)
+    finally:
+        bar.close()
+        bad.close()
     counts = by_origin.sum(0)
-    bar.close()
     hot = select_hot_ids(counts, cfg.draft_vocab)
     mapping = build_mapping(hot, info.vocab_size)
     atomic_save_safetensors(mapping, stage.dir / "vocab_mapping.safetensors")
     rep = report(counts, hot, load_tokenizer(cfg.target, cfg.trust_remote_code),
                  by_origin=by_origin)
+    rep.update(bad.summary())
     for warning in rep["warnings"]:
         logging.getLogger("03_vocab").warning(warning)
     atomic_write_json(stage.dir / "report.json", rep)
     stage.finish(outputs={"draft_vocab": cfg.draft_vocab, "target_vocab": info.vocab_size,
                           "coverage": rep["coverage"],
-                          "coverage_by_origin": rep["coverage_by_origin"]})
+                          "coverage_by_origin": rep["coverage_by_origin"],
+                          **bad.summary()})
     rows = {"supervised tokens": rep["supervised_tokens"],
             "distinct ids seen": rep["distinct_ids_seen"],
             f"coverage at {cfg.draft_vocab} (chosen)": f"{rep['coverage']:.4f}"}
@@ -95,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[f"coverage at {int(size) // 1024}K"] = f"{share:.4f}"
     rows["top tokens"] = json.dumps([t["token"] for t in rep["top_tokens"][:10]],
                                     ensure_ascii=False)[:120]
+    rows["bad lines skipped"] = (f"{bad.count} ({bad.path})" if bad.count else "0")
     rows["report"] = str(stage.dir / "report.json")
     rows.update({f"WARNING {i + 1}": w for i, w in enumerate(rep["warnings"])})
     rows["time"] = human_seconds(time.time() - t0)

@@ -9,6 +9,13 @@ full-vocabulary argmax). Writes checkpoints to `<workdir>/04_train/checkpoints/s
 `tensorboard/` (when installed), the SGLang draft folder `<workdir>/04_train/final/` and the
 speculators-format folder `<workdir>/04_train/final_speculators/`.
 
+Bad input: the files trained on are those 02b's `<split>/index.jsonl` lists, each checked before
+the first step (header, dtypes, shapes, hidden size, capture layers, agreement with its index
+line) and where it is read (the index's sha256, NaN/Inf); a bad one is skipped and listed once
+in `04_train/skipped.jsonl`, counted in the summary and the manifest, up to `--max-bad`. SIGTERM
+stops between rows (the step in flight is abandoned; exit 143, re-run to resume from the last
+checkpoint); a full or read-only disk stops with the folder and the bytes needed.
+
 Tiny target (demo):
     OMP_NUM_THREADS=1 python 04_train.py --workdir runs/demo --target runs/demo/target \
         --epochs 6 --lr 1e-3 --max-seq-len 512 --num-workers 1 --eval-every 100 --log-every 50

@@ -292,3 +292,158 @@ def capture_hf(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tenso
     if max(capture_layers) >= n_layers:
         raise HiddenStateError(f"capture layers {capture_layers} exceed {n_layers} layers")
     return [hs[i] for i in capture_layers], hs[-1]
+
+
+# ---------------------------------------------------------------- checked reading (stage 04)
+# A reader meets files that 02b wrote and that a disk, a copy or a hand may have damaged since:
+# `check_header` (memory-mapped, only the zip directory and the pickle are read: the pre-flight
+# of every file before training), `load_checked` (the full read, checksum verified against the
+# split's index), `nonfinite_problem` (a NaN/Inf value anywhere). Each turns what is wrong into
+# an `InputFileError` naming the file (its `problem` starts with a kind: `unreadable`, `missing`,
+# `wrong dtype`, `wrong shape`, `wrong layout`, `checksum mismatch`, `non-finite`).
+
+import math  # noqa: E402  (this section's own imports, kept with it)
+from dataclasses import dataclass  # noqa: E402
+
+from eagle3.core.faults import InputFileError  # noqa: E402
+from eagle3.core.stage import file_sha256  # noqa: E402
+
+# dtypes of each layout's hidden_states tensors (aux captures, then the final state)
+_LAYOUT_DTYPES = {"bf16": [torch.bfloat16] * 4,
+                  "fp8": [torch.float8_e4m3fn] * 3 + [torch.bfloat16],
+                  "fp8-all": [torch.float8_e4m3fn] * 4,
+                  "fp8-topk": [torch.float8_e4m3fn] * 3}
+_TEACHER_DTYPES = {"teacher_ids": torch.int16, "teacher_logprobs": torch.float16,
+                   "target_top": torch.int32}
+
+
+@dataclass
+class FileFacts:
+    """What the pre-flight read in a file's header."""
+
+    tokens: int  # T
+    topk: int  # K of its stored teacher (0: the file stores the final state)
+    vocab_sha256: str | None  # the draft vocabulary of its teacher ids (fp8-topk only)
+    record_id: str | None  # meta.id
+
+
+def check_header(path: Path, hidden_size: int, capture_layers: list[int] | None = None
+                 ) -> FileFacts:
+    """Check a file without reading its tensors (memory-mapped): it opens as a torch zip, has
+    the keys of its layout, each tensor the layout's dtype and `[T, H]` shape, T agreeing
+    everywhere, H == `hidden_size`, and `meta.capture_layers` == `capture_layers` (when given).
+    Raises InputFileError naming the file and the first problem."""
+    data = _load_or_raise(path, mmap=True)
+    problem = _header_problem(data, hidden_size, capture_layers)
+    if problem:
+        raise InputFileError(path, problem)
+    meta = data["meta"]
+    return FileFacts(num_tokens(data), int(meta.get("topk", 0)), meta.get("vocab_sha256"),
+                     meta.get("id"))
+
+
+def _load_or_raise(path: Path, mmap: bool) -> dict:
+    if not Path(path).is_file():
+        raise InputFileError(path, "missing: the file is not there (02b's index lists it)")
+    if Path(path).stat().st_size == 0:
+        raise InputFileError(path, "unreadable: the file is empty")
+    try:
+        data = load(path, mmap=mmap)
+    except Exception as e:  # torch's zip / unpickler errors name no file: any of them is this
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise InputFileError(path, f"unreadable: not a complete torch file ({first}); "
+                                   "truncated or corrupt: re-run 02b for it") from e
+    if not isinstance(data, dict):
+        raise InputFileError(path, f"unreadable: holds a {type(data).__name__}, not a dict")
+    return data
+
+
+def _header_problem(data: dict, hidden_size: int, capture_layers) -> str | None:
+    missing = [k for k in ("input_ids", "loss_mask", "hidden_states", "meta") if k not in data]
+    if missing:
+        return f"missing keys: {missing}"
+    meta = data["meta"]
+    if not isinstance(meta, dict) or not isinstance(data["hidden_states"], list):
+        return "wrong layout: meta is not a dict or hidden_states not a list"
+    layout = layout_of(data)
+    if layout not in _LAYOUT_DTYPES:
+        return f"wrong layout: {layout!r} (expected one of {DTYPES})"
+    for key in ("input_ids", "loss_mask"):
+        t = data[key]
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
+            return f"wrong dtype: {key} must be a 1-D int64 tensor"
+    try:
+        validate(data, hidden_size)
+    except HiddenStateError as e:
+        return "wrong shape: " + str(e).removeprefix("<memory>: ")
+    for i, (t, want) in enumerate(zip(data["hidden_states"], _LAYOUT_DTYPES[layout])):
+        if t.dtype != want:
+            return f"wrong dtype: hidden_states[{i}] is {t.dtype}, layout {layout} stores {want}"
+    problem = _scale_problem(data, layout) or _teacher_problem(data, layout)
+    if problem:
+        return problem
+    if capture_layers is not None and list(meta.get("capture_layers") or []) != capture_layers:
+        return (f"wrong layout: captured at layers {meta.get('capture_layers')}, 02b's manifest "
+                f"says {capture_layers}")
+    return None
+
+
+def _scale_problem(data: dict, layout: str) -> str | None:
+    n_fp8 = sum(d == torch.float8_e4m3fn for d in _LAYOUT_DTYPES[layout])
+    if not n_fp8:
+        return None
+    scales = data.get("hidden_states_scale")
+    if not isinstance(scales, list) or len(scales) < n_fp8:
+        return f"missing keys: hidden_states_scale (layout {layout} stores {n_fp8} scales)"
+    T = num_tokens(data)
+    for i in range(n_fp8):
+        s = scales[i]
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (T,):
+            return f"wrong dtype: hidden_states_scale[{i}] must be float32 [{T}]"
+    return None
+
+
+def _teacher_problem(data: dict, layout: str) -> str | None:
+    if layout != "fp8-topk":
+        return None
+    for key, want in _TEACHER_DTYPES.items():
+        if data[key].dtype != want:
+            return f"wrong dtype: {key} is {data[key].dtype}, fp8-topk stores {want}"
+    if not data["meta"].get("vocab_sha256"):
+        return "missing keys: meta.vocab_sha256 (an fp8-topk file names its draft vocabulary)"
+    return None
+
+
+def load_checked(path: Path, sha256: str | None = None) -> dict:
+    """The whole file, its bytes first checked against `sha256` (02b's index) when given: a
+    flipped or truncated file raises InputFileError here, where it is read. The hash streams
+    the file (one extra read, from the page cache when the file was just hashed)."""
+    if sha256 is not None and Path(path).is_file():
+        got = file_sha256(path)
+        if got != sha256:
+            raise InputFileError(path, f"checksum mismatch: sha256 {got[:16]}..., 02b's index "
+                                       f"says {sha256[:16]}... (the file changed on disk since "
+                                       "02b wrote it: re-run 02b for it)")
+    return _load_or_raise(path, mmap=False)
+
+
+def nonfinite_problem(data: dict) -> str | None:
+    """`non-finite: ...` naming the tensor and the first token holding a NaN or an Inf (the
+    stored values and their fp8 scales), None when every value is finite."""
+    named = [(f"hidden_states[{i}]", t) for i, t in enumerate(data["hidden_states"])]
+    named += [(f"hidden_states_scale[{i}]", s)
+              for i, s in enumerate(data.get("hidden_states_scale") or []) if s is not None]
+    if "teacher_logprobs" in data:  # -inf is legitimate there (mass outside the top K)
+        lp = data["teacher_logprobs"]
+        named.append(("teacher_logprobs", lp.masked_fill(lp == -math.inf, 0.0)))
+    for name, t in named:
+        if t.dtype == torch.float8_e4m3fn:  # e4m3fn has no Inf; NaN is S.1111.111
+            bad = t.view(torch.uint8).bitwise_and(0x7F) == 0x7F
+        elif t.numel() and bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+            continue  # min/max propagate NaN and show Inf: 30x faster than isfinite on bf16
+        else:
+            bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            token = int(bad.reshape(bad.shape[0], -1).any(-1).nonzero()[0])
+            return f"non-finite: {name} holds NaN/Inf at token {token}"
+    return None

@@ -74,7 +74,14 @@ class TrainConfig(UpstreamStageFlags):
                                       "renorm = top-k renormalised to 1; tail = the rest of "
                                       "the mass as one bucket", choices=list(TOPK_MODES))
 
+    max_bad: int = arg(10, "hidden-state files skipped as bad (missing, unindexed, unreadable, "
+                           "wrong dtype/shape/layout, checksum mismatch, NaN/Inf) before the "
+                           "stage stops naming 04_train/skipped.jsonl (-1 = no limit); a few "
+                           "cost a few samples, more mean the 02b folder is damaged")
+
     def __post_init__(self) -> None:
+        if self.max_bad < -1:
+            raise ValueError("--max-bad must be >= 0, or -1 for no limit")
         if self.ttt_steps < 1:
             raise ValueError("--ttt-steps must be >= 1")
         if self.grad_accum < 1 or self.epochs < 1:

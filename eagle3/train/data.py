@@ -15,7 +15,6 @@ continues at the exact row.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -26,15 +25,19 @@ from pathlib import Path
 import torch
 
 from eagle3.core import hidden_states as hs
+from eagle3.core.faults import InputFileError
+from eagle3.core.stage import StageError
 from eagle3.draft.attention import FLEX_BLOCK
+from eagle3.train.files import FileIndex, SkipCountingLoader, read_sample
 
 log = logging.getLogger(__name__)
 
 PACK_WINDOW = 512  # samples packed together: larger packs tighter, smaller shuffles finer
 
 
-class DataError(ValueError):
-    """Training data that cannot be used as asked; the message names the file or flag."""
+class DataError(StageError, ValueError):
+    """Training data that cannot be used as asked; the message names the file or flag (a
+    StageError: the script ends it in one line, not a traceback)."""
 
 
 def list_files(root: Path) -> list[Path]:
@@ -43,25 +46,10 @@ def list_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: int(p.stem.split("_")[1]))
 
 
-@dataclass
-class FileIndex:
-    """Per file of a split: token count, and K of its stored teacher (0: the file stores the
-    final state) with the draft vocabulary it was made with (fp8-topk files only)."""
-
-    lengths: list[int]
-    topk: list[int]
-    vocab_sha256: list[str | None]
-
-
-def index_files(files: list[Path], cache: Path | None = None, bar=None) -> FileIndex:
-    """Token count and layout of each file (memory-mapped: only the header pages are read),
-    cached in `cache` (recounted when the file list changed)."""
-    names = [f"{p.parent.name}/{p.name}" for p in files]
-    if cache is not None and Path(cache).exists():
-        saved = json.loads(Path(cache).read_text())
-        if saved.get("files") == names and "topk" in saved:
-            return FileIndex(saved["lengths"], saved["topk"], saved["vocab_sha256"])
-    index = FileIndex([], [], [])
+def index_files(files: list[Path], bar=None) -> FileIndex:
+    """Token count and layout of each file, unchecked (memory-mapped: only the header pages
+    are read); the stage checks its files instead (eagle3/train/files.py check_split)."""
+    index = FileIndex()
     for p in files:
         data = torch.load(p, mmap=True, weights_only=True)
         index.lengths.append(hs.num_tokens(data))
@@ -69,26 +57,17 @@ def index_files(files: list[Path], cache: Path | None = None, bar=None) -> FileI
         index.vocab_sha256.append(data["meta"].get("vocab_sha256"))
         if bar is not None:
             bar.update(1)
-    if cache is not None:
-        from eagle3.core.stage import atomic_write_json
-
-        atomic_write_json(cache, {"files": names, "lengths": index.lengths, "topk": index.topk,
-                                  "vocab_sha256": index.vocab_sha256})
     return index
-
-
-def sample_lengths(files: list[Path], cache: Path | None = None, bar=None) -> list[int]:
-    """Token count of each file (see index_files)."""
-    return index_files(files, cache, bar).lengths
 
 
 def check_teacher_vocab(files: list[Path], index: FileIndex, vocab_sha256: str) -> None:
     """Refuse fp8-topk files whose stored teacher ids belong to another draft vocabulary."""
     for path, sha in zip(files, index.vocab_sha256):
         if sha is not None and sha != vocab_sha256:
-            raise DataError(f"{path}: its top-k teacher was stored with another draft "
-                            "vocabulary than 03_vocab/vocab_mapping.safetensors (re-run 02b "
-                            "--dtype fp8-topk after 03, or restore the mapping it was made with)")
+            raise InputFileError(path, "wrong vocab: its top-k teacher was stored with "
+                                 "another draft vocabulary than 03_vocab/vocab_mapping."
+                                 "safetensors (re-run 02b --dtype fp8-topk after 03, or restore "
+                                 "the mapping it was made with)")
 
 
 def row_width(max_seq_len: int, pack_tokens: int, longest: int) -> int:
@@ -181,7 +160,8 @@ def build_plan(lengths: list[int], width: int, max_seq_len: int, seed: int, epoc
     return plan
 
 
-def collate_packed(samples: list[dict], width: int, max_seq_len: int, topk: int = 0) -> dict:
+def collate_packed(samples: list[dict], width: int, max_seq_len: int, topk: int = 0,
+                   hidden_size: int = 0) -> dict:
     """One packed row `[1, width]` (aux `[1, width, 3Ht]`, final `[1, width, Ht]`, bf16).
 
     Files of every layout mix in a row. `topk` is the largest K of the run's fp8-topk files
@@ -189,9 +169,10 @@ def collate_packed(samples: list[dict], width: int, max_seq_len: int, topk: int 
     `teacher_logprobs` (float32, -inf past a file's own K and where the file stores the final
     state), `has_final` (bool: the position's teacher comes from `final`) and `target_top`
     (the target's full-vocabulary argmax, -1 where the file does not store it). The final
-    state of an fp8-topk position is zero.
+    state of an fp8-topk position is zero. A row whose samples were all skipped is all
+    padding, `hidden_size` wide (it trains nothing: no position has a loss weight).
     """
-    Ht = samples[0]["hidden_states"][0].shape[-1]
+    Ht = samples[0]["hidden_states"][0].shape[-1] if samples else hidden_size
     shared = torch.utils.data.get_worker_info() is not None  # fill shared memory directly
 
     def buf(*shape, dtype=torch.bfloat16, fill=0):
@@ -239,8 +220,8 @@ def _fill_teacher(out: dict, data: dict, sl: slice, n: int, topk: int) -> None:
     k = teacher["ids"].shape[1]
     if k > topk:
         raise DataError(f"record {data['meta'].get('id')!r} stores a top-{k} teacher, but the "
-                        f"run was indexed for top-{topk} at most (delete 04_train/lengths_*.json "
-                        "and re-run)")
+                        f"run was indexed for top-{topk} at most (the file changed since the "
+                        "pre-flight: re-run)")
     out["teacher_ids"][0, sl, :k] = teacher["ids"][:n]
     out["teacher_logprobs"][0, sl, :k] = teacher["logprobs"][:n]
     out["target_top"][0, sl] = teacher["target_top"][:n]
@@ -259,23 +240,28 @@ class PackedRows(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
-        samples = []
-        for j in self.rows[i]:
-            data = hs.load(self.files[j])
-            if any(t.shape[0] != data["input_ids"].shape[0] for t in data["hidden_states"]):
-                raise DataError(f"{self.files[j]}: input_ids and hidden_states lengths differ")
-            samples.append(data)
-        return collate_packed(samples, self.width, self.max_seq_len, self.topk)
+        samples, skipped = [], []
+        for j in self.rows[i]:  # a bad file leaves its sample out of the row (files.py)
+            data, skip = read_sample(self.files, j)
+            if skip is None:
+                samples.append(data)
+            else:
+                skipped.append(skip)
+        out = collate_packed(samples, self.width, self.max_seq_len, self.topk,
+                             getattr(self.files, "hidden_size", 0))
+        if skipped:  # listed by SkipCountingLoader in the main process
+            out["skipped"] = skipped
+        return out
 
 
 def make_loader(dataset, num_workers: int, pin_memory: bool, prefetch: int = 4):
     # Its own generator: a DataLoader draws its workers' base seed from the global torch RNG,
     # which would make the RNG state saved in a checkpoint depend on how often loaders were
     # built (a resumed run builds one more), not on the step alone.
-    return torch.utils.data.DataLoader(
+    return SkipCountingLoader(torch.utils.data.DataLoader(
         dataset, batch_size=None, shuffle=False, num_workers=num_workers,
         prefetch_factor=prefetch if num_workers else None, pin_memory=pin_memory,
-        persistent_workers=False, generator=torch.Generator().manual_seed(0))
+        persistent_workers=False, generator=torch.Generator().manual_seed(0)), dataset.files)
 
 
 class DevicePrefetcher:
@@ -315,3 +301,15 @@ class DevicePrefetcher:
             for v in batch.values():
                 v.record_stream(current)
         return batch
+
+
+def records_of_step(data, cfg, world: int, rank: int, step: int) -> list[tuple[str, str]]:
+    """(record id, file) of the samples rank `rank` trained on at `step`: the plan rebuilt as
+    the loop builds it (a pure function of the lengths, the flags and the world size)."""
+    width = row_width(cfg.max_seq_len, cfg.pack_tokens,
+                      max(data.train_lengths + data.eval_lengths))
+    plan = build_plan(data.train_lengths, width, cfg.max_seq_len, cfg.seed, cfg.epochs, world,
+                      cfg.grad_accum)
+    files = data.train_files
+    ids = getattr(files, "ids", None) or [str(p) for p in files]
+    return [(ids[j], str(files[j])) for row in plan.rows_for(step, rank) for j in row]

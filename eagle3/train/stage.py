@@ -3,22 +3,42 @@ after (the config, `TrainConfig`, is eagle3/train/config.py; the loop, eagle3/tr
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from eagle3.core.faults import (
+    SKIP_LIST,
+    BadRecords,
+    DiskError,
+    InputFileError,
+    StopSignals,
+    disk_error,
+    is_disk_error,
+)
 from eagle3.core.hidden_states import read_capture_layers
 from eagle3.core.progress import human_seconds, progress
-from eagle3.core.stage import STAGE_DIRS, Stage, StageError, StageResult, require_upstream
+from eagle3.core.stage import (
+    STAGE_DIRS,
+    Stage,
+    StageError,
+    StageResult,
+    require_upstream,
+    sweep_temp_files,
+)
 from eagle3.core.target import load_embedding, load_lm_head, read_target_info
 from eagle3.draft.export import export_sglang
 from eagle3.draft.layers import describe_layers, layer_ids_for
 from eagle3.draft.speculators import export_speculators
 from eagle3.train import distributed
 from eagle3.train.config import TrainConfig, build_draft_config
-from eagle3.train.data import check_teacher_vocab, index_files, list_files
+from eagle3.train.data import check_teacher_vocab, records_of_step
 from eagle3.train.distributed import DistInfo
+from eagle3.train.files import check_split, load_checked_split, save_checked
 from eagle3.train.log import plot_metrics
 from eagle3.train.loop import TrainData, acceptance_note, build_draft, build_runtime, train
 from eagle3.vocab.mapping import MAPPING_FILE, hot_ids_from_d2t, vocab_sha256
@@ -26,13 +46,24 @@ from eagle3.vocab.mapping import MAPPING_FILE, hot_ids_from_d2t, vocab_sha256
 __all__ = ["STAGE", "TrainConfig", "check_inputs", "run"]
 
 STAGE = STAGE_DIRS["04"]
+RESUME_HINT = ("re-run the same command to resume from the last checkpoint in "
+               "04_train/checkpoints (the steps after it are trained again)")
+
+
+class TrainStopped(StageError):
+    """Training stopped on a non-finite gradient norm; the message names the step's records."""
 
 
 def check_inputs(cfg: TrainConfig) -> list[int]:
     """02b and 03 complete, their captures servable: the capture layers, before any folder is
     made."""
-    require_upstream(cfg.workdir / STAGE_DIRS["02b"], cfg.allow_partial)
-    require_upstream(cfg.workdir / STAGE_DIRS["03"], cfg.allow_partial)
+    for name in ("02b", "03"):
+        folder = cfg.workdir / STAGE_DIRS[name]
+        try:
+            require_upstream(folder, cfg.allow_partial)
+        except json.JSONDecodeError as e:
+            raise InputFileError(folder / "manifest.json", f"not valid JSON ({e}): edited or "
+                                 f"damaged; re-run {name} to write it again") from e
     capture_layers = read_capture_layers(cfg.workdir)
     if not capture_layers:
         raise StageError("02b_hidden_states/manifest.json names no capture_layers: re-run 02b")
@@ -53,9 +84,11 @@ def run(cfg: TrainConfig, stage: Stage | None, dist_info: DistInfo, device: torc
     lm_head = load_lm_head(cfg.target)  # [target_vocab, Ht]: the eval's full argmax
     teacher = lm_head[hot_ids_from_d2t(mapping["d2t"])]  # [draft_vocab, Ht]
     embed = load_embedding(cfg.target)
-    data = load_data(cfg, stage_dir, dist_info.is_main, mapping["d2t"])
-    summary = train(cfg, stage_dir, data, draft, embed, teacher,
-                    build_runtime(cfg, device, dist_info), lm_head)
+    rt = build_runtime(cfg, device, dist_info)
+    with StopSignals(RESUME_HINT) as stop:  # polled between files and between rows
+        data = load_data(cfg, stage_dir, dist_info.is_main, mapping["d2t"], info.hidden_size,
+                         capture_layers, stop)
+        summary = _train(cfg, stage_dir, data, (draft, embed, teacher, lm_head), rt)
     distributed.shutdown()
     if not dist_info.is_main:
         return None
@@ -67,7 +100,8 @@ def run(cfg: TrainConfig, stage: Stage | None, dist_info: DistInfo, device: torc
     plots = plot_metrics(stage_dir / "metrics.jsonl", stage_dir / "plots")
     for name in (STAGE_DIRS["02b"], STAGE_DIRS["03"]):
         stage.add_input(cfg.workdir / name)
-    stage.finish(outputs={"final": str(stage_dir / "final"), **summary},
+    skips = BadRecords(stage_dir, -1).summary()  # every rank's lines, each record once
+    stage.finish(outputs={"final": str(stage_dir / "final"), **summary, **skips},
                  extra={"draft_config": dcfg.to_dict(), "world_size": dist_info.world})
     rows = {"steps": summary["num_steps"], "tokens": summary["tokens"],
             "tokens/s (all ranks)": f"{summary['tok_s']:,.0f}",
@@ -79,26 +113,71 @@ def run(cfg: TrainConfig, stage: Stage | None, dist_info: DistInfo, device: torc
             "draft (SGLang)": str(stage_dir / "final"),
             "draft (vLLM)": str(vllm_dir),
             "plots": f"{len(plots)} PNG in {stage_dir / 'plots'}",
+            "records skipped": (f"{skips['skipped']} {skips['skip_reasons']} "
+                                f"({skips['skip_list']})" if skips["skipped"] else "0"),
             "time": human_seconds(time.time() - t0)}
     return StageResult(rows)
 
 
-def load_data(cfg: TrainConfig, stage_dir, is_main: bool, d2t) -> TrainData:
-    """File lists, token counts and layouts of both splits (read once, cached in the stage
-    folder); files of every layout mix, those with a top-k teacher must match the vocab."""
+def _train(cfg: TrainConfig, stage_dir, data: TrainData, parts: tuple, rt) -> dict:
+    """`train` with its faults made stage errors: a full or read-only disk names the folder, a
+    non-finite gradient norm names the records of its step."""
+    draft, embed, teacher, lm_head = parts
+    try:
+        return train(cfg, stage_dir, data, draft, embed, teacher, rt, lm_head)
+    except (DiskError, OSError) as e:
+        if not isinstance(e, DiskError) and not is_disk_error(e):
+            raise
+        # a checkpoint cut short leaves a `.tmp_step_*` folder (never resumed from): free its
+        # space now, not at the next save, which needs that space
+        sweep_temp_files(Path(stage_dir) / "checkpoints")
+        if isinstance(e, DiskError):
+            raise
+        where = e.filename if isinstance(e.filename, str) else Path(stage_dir) / "metrics.jsonl"
+        raise disk_error(e, where) from e
+    except FloatingPointError as e:
+        match = re.match(r"step (\d+):", str(e))
+        if match is None:
+            raise
+        records = records_of_step(data, cfg, rt.dist.world, rt.dist.rank, int(match[1]))
+        raise TrainStopped(f"{e}. The step trained on {len(records)} records: "
+                           + "; ".join(f"{r} ({f})" for r, f in records[:8])
+                           + (" ..." if len(records) > 8 else "")
+                           + f". To leave one out, add a line {{\"id\": ..., \"reason\": "
+                           f"\"excluded\"}} to {stage_dir / SKIP_LIST} and resume") from e
+
+
+def load_data(cfg: TrainConfig, stage_dir, is_main: bool, d2t, hidden_size: int,
+              capture_layers: list[int], stop: StopSignals | None = None) -> TrainData:
+    """Both splits' files as 02b's index lists them, each checked before the first step
+    (eagle3/train/files.py): a bad one goes to the skip list, past --max-bad the stage stops.
+    Rank 0 checks, the other ranks read its result; files of every layout mix, those with a
+    top-k teacher must match the vocab."""
     root = cfg.workdir / STAGE_DIRS["02b"]
+    bad = BadRecords(stage_dir, cfg.max_bad)
     out, topk = {}, 0
     if not is_main:
-        distributed.barrier()  # rank 0 counts first; the others read its cache
+        distributed.barrier()  # rank 0 checks first; the others read its result
     for split in ("train", "eval"):
-        files = list_files(root / split)
-        bar = progress(total=len(files), desc=f"04 index {split}", unit="file") if is_main else None
-        index = index_files(files, stage_dir / f"lengths_{split}.json", bar)
+        checked = stage_dir / f"files_{split}.json"
+        if is_main:
+            bar = progress(total=_count_candidates(root / split), desc=f"04 check {split}",
+                           unit="file")
+            try:
+                files, index = check_split(root / split, hidden_size, capture_layers, bad, bar,
+                                           stop)
+            finally:
+                bar.close()
+            save_checked(checked, root / split, files, index)
+        else:
+            files, index = load_checked_split(checked, root / split, hidden_size, bad, stop)
         check_teacher_vocab(files, index, vocab_sha256(d2t))
         out[split] = (files, index.lengths)
         topk = max([topk, *index.topk])
-        if bar is not None:
-            bar.close()
     if is_main:
         distributed.barrier()
     return TrainData(*out["train"], *out["eval"], teacher_topk=topk)
+
+
+def _count_candidates(split_dir) -> int:
+    return sum(1 for _ in split_dir.glob("shard_*/data_*.pt"))

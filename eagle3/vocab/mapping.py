@@ -17,11 +17,13 @@ the report gives it apart, and warns when dataset-written text chose part of the
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from eagle3.core.faults import BadRecords
 from eagle3.core.records import read_jsonl
 from eagle3.core.stage import STAGE_DIRS, read_manifest
 
@@ -63,36 +65,90 @@ def count_supervised(path: Path, target_vocab: int, bar=None,
 
 
 def count_supervised_by_origin(path: Path, target_vocab: int, regenerated: dict[str, bool],
-                               bar=None, chunk_tokens: int = 1 << 20) -> np.ndarray:
+                               bar=None, chunk_tokens: int = 1 << 20,
+                               bad: BadRecords | None = None) -> np.ndarray:
     """`[len(ORIGINS), target_vocab]`: occurrences of each target id among supervised tokens,
     per origin (`record_origin`).
 
     Streams the file; supervised ids are buffered up to `chunk_tokens` and then counted with one
-    `bincount`, so memory is O(target_vocab + chunk_tokens) whatever the file size.
+    `bincount`, so memory is O(target_vocab + chunk_tokens) whatever the file size. A bad line
+    (torn, not JSON, wrong types, ids outside the target vocab) goes to `bad`, the stage's skip
+    list, and counts nothing; without `bad` it raises VocabError (RecordError for bad JSON).
     """
     counts = np.zeros((len(ORIGINS), target_vocab), dtype=np.int64)
     pending: list[np.ndarray] = []
     buffered = 0
-    for rec in read_jsonl(path):
+    for rec in _good_records(path, target_vocab, bad, bar):
         ids = np.asarray(rec["input_ids"], dtype=np.int64)
         mask = np.asarray(rec["loss_mask"], dtype=bool)
-        if ids.shape != mask.shape:
-            raise VocabError(f"record {rec.get('id')}: {ids.size} input_ids but {mask.size} "
-                             "loss_mask values: re-run the stage that wrote it")
-        if ids.size and (ids.max() >= target_vocab or ids.min() < 0):
-            raise VocabError(f"record {rec.get('id')}: token id {ids.max()} outside the target "
-                             f"vocab of {target_vocab} (wrong --target?)")
         # one id space per origin: id + origin * target_vocab
         pending.append(ids[mask] + ORIGINS.index(record_origin(rec, regenerated)) * target_vocab)
         buffered += pending[-1].size
         if buffered >= chunk_tokens:
             counts += _bincount(pending, counts.shape)
             pending, buffered = [], 0
-        if bar is not None:
-            bar.update(1)
     if pending:
         counts += _bincount(pending, counts.shape)
     return counts
+
+
+def record_problem(rec, target_vocab: int) -> str | None:
+    """Why a merged record cannot be counted (`kind: detail`), None when it can. Checked with
+    numpy, one pass per list (merged files reach billions of tokens)."""
+    if not isinstance(rec, dict):
+        return f"wrong type: a JSON {type(rec).__name__}, not an object"
+    arrays = {}
+    for name in ("input_ids", "loss_mask"):
+        value = rec.get(name)
+        arr = np.asarray(value) if isinstance(value, list) else None
+        if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            return f"wrong type: {name} is not a list of integers"
+        arrays[name] = arr
+    ids, mask = arrays["input_ids"], arrays["loss_mask"]
+    if ids.size != mask.size:
+        return (f"length mismatch: {ids.size} input_ids but {mask.size} loss_mask values "
+                "(re-run the stage that wrote it)")
+    if mask.size and (mask.min() < 0 or mask.max() > 1):
+        return "wrong type: loss_mask holds values other than 0 and 1"
+    if ids.size and (ids.max() >= target_vocab or ids.min() < 0):
+        worst = ids.max() if ids.max() >= target_vocab else ids.min()
+        return (f"id out of vocab: token id {worst} outside the target vocab of "
+                f"{target_vocab} (wrong --target?)")
+    return None
+
+
+def _good_records(path: Path, target_vocab: int, bad: BadRecords | None, bar):
+    """The records of a merged JSONL that pass `record_problem`; the others go to `bad` under
+    their id (`line N` when the line has none), or raise when `bad` is None."""
+    if bad is None:
+        lines = ((n, rec, None) for n, rec in enumerate(read_jsonl(path), start=1))
+    else:
+        lines = _parsed_lines(path)
+    for n, rec, parse_problem in lines:
+        problem = parse_problem or record_problem(rec, target_vocab)
+        if bar is not None:
+            bar.update(1)
+        if problem is None:
+            yield rec
+            continue
+        rec_id = rec.get("id") if isinstance(rec, dict) else None
+        if bad is None:
+            raise VocabError(f"record {rec_id}: {problem}")
+        bad.add(rec_id if isinstance(rec_id, str) else f"line {n}", f"{problem} (line {n})",
+                path)
+
+
+def _parsed_lines(path: Path):
+    """(line number, parsed JSON or None, problem or None) of each non-empty line."""
+    with Path(path).open("rb") as f:
+        for n, raw in enumerate(f, start=1):  # streams: merged files reach several GB
+            if not raw.strip():
+                continue
+            try:
+                yield n, json.loads(raw), None
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                kind = "torn line" if not raw.endswith(b"\n") else "bad json"
+                yield n, None, f"{kind}: {e}"
 
 
 def _bincount(pending: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:

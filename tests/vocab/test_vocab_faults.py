@@ -1,0 +1,110 @@
+"""Stage 03 on a damaged merged train split: each bad line kind is skipped, listed in
+`03_vocab/skipped.jsonl` and counted in the summary, report.json and the manifest; past
+`--max-bad` the stage stops with one error line naming the list."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.core.faults import BadRecords, TooManyBad
+from eagle3.vocab.mapping import count_supervised_by_origin
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD = {"id": "ok", "source": "s", "finish_reason": "stop", "input_ids": [1, 2, 3],
+        "loss_mask": [0, 1, 1]}
+
+# (line as written, the skip reason's kind); the file is GOOD, then this line, then GOOD again
+BAD_LINES = {
+    "bad_json": ('{"id": "x", "input_ids": [1, 2\n', "bad json"),
+    "torn_last_line": ('{"id": "x", "input_i', "torn line"),
+    "ids_out_of_vocab": (json.dumps({**GOOD, "id": "big", "input_ids": [1, 2, 99]}) + "\n",
+                         "id out of vocab"),
+    "negative_id": (json.dumps({**GOOD, "id": "neg", "input_ids": [1, -2, 3]}) + "\n",
+                    "id out of vocab"),
+    "ids_are_strings": (json.dumps({**GOOD, "id": "str", "input_ids": ["1", "2", "3"]}) + "\n",
+                        "wrong type"),
+    "ids_are_floats": (json.dumps({**GOOD, "id": "flt", "input_ids": [1.5, 2, 3]}) + "\n",
+                       "wrong type"),
+    "ids_missing": (json.dumps({"id": "none", "loss_mask": [1]}) + "\n", "wrong type"),
+    "not_an_object": ("[1, 2, 3]\n", "wrong type"),
+    "mask_not_binary": (json.dumps({**GOOD, "id": "m2", "loss_mask": [0, 2, 1]}) + "\n",
+                        "wrong type"),
+    "mask_length_differs": (json.dumps({**GOOD, "id": "len", "loss_mask": [1, 1]}) + "\n",
+                            "length mismatch"),
+}
+
+
+def _write(path: Path, bad_line: str) -> None:
+    good = json.dumps(GOOD) + "\n"
+    torn = not bad_line.endswith("\n")
+    path.write_text(good + good + bad_line if torn else good + bad_line + good)
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_LINES))
+def test_counting_skips_and_lists_a_bad_line_when_given_a_skip_list(tmp_path, kind):
+    line, reason = BAD_LINES[kind]
+    _write(tmp_path / "train.jsonl", line)
+    bad = BadRecords(tmp_path / "03_vocab", max_bad=5)
+    counts = count_supervised_by_origin(tmp_path / "train.jsonl", 10, {}, bad=bad).sum(0)
+    bad.close()
+    assert counts.tolist() == [0, 0, 2, 2, 0, 0, 0, 0, 0, 0]  # the two good lines only
+    rows = [json.loads(x) for x in (tmp_path / "03_vocab/skipped.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["reason"].startswith(reason), rows
+    assert rows[0]["file"] == str(tmp_path / "train.jsonl")
+    assert bad.summary()["skipped"] == 1
+
+
+def test_counting_stops_naming_the_skip_list_past_max_bad(tmp_path):
+    lines = "".join(BAD_LINES[k][0] for k in ("bad_json", "ids_out_of_vocab", "ids_are_strings"))
+    (tmp_path / "train.jsonl").write_text(lines)
+    with pytest.raises(TooManyBad, match="skipped.jsonl.*--max-bad"):
+        count_supervised_by_origin(tmp_path / "train.jsonl", 10, {},
+                                   bad=BadRecords(tmp_path, max_bad=2))
+
+
+def _workdir(tmp_path: Path, vocab: int) -> Path:
+    work = tmp_path / "w"
+    (work / "01c_merged").mkdir(parents=True)
+    good = [json.dumps({**GOOD, "id": f"g{i}", "input_ids": [i % vocab, 1, 2]}) + "\n"
+            for i in range(20)]
+    bad = [BAD_LINES[k][0] for k in ("bad_json", "ids_out_of_vocab", "ids_are_strings")]
+    bad[1] = bad[1].replace("99", str(vocab + 5))
+    (work / "01c_merged/train.jsonl").write_text("".join(good[:10] + bad + good[10:]))
+    (work / "01c_merged/manifest.json").write_text(json.dumps({"complete": True}))
+    return work
+
+
+def test_03_counts_bad_lines_in_summary_report_and_manifest(tmp_path, tiny_target_dir, capsys):
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    work = _workdir(tmp_path, vocab)
+    main = importlib.import_module("03_build_vocab_mapping").main
+    assert main(["--workdir", str(work), "--target", str(tiny_target_dir), "--draft-vocab",
+                 "16", "--log-level", "WARNING"]) == 0
+    out = capsys.readouterr().out
+    assert "bad lines skipped" in out and "3 (" in out
+    report = json.loads((work / "03_vocab/report.json").read_text())
+    manifest = json.loads((work / "03_vocab/manifest.json").read_text())
+    for where in (report, manifest["outputs"]):
+        assert where["skipped"] == 3
+        assert where["skip_reasons"] == {"bad json": 1, "id out of vocab": 1, "wrong type": 1}
+    assert report["supervised_tokens"] == 40  # 20 good lines x 2 supervised tokens
+
+
+def test_03_stops_with_one_line_naming_the_skip_list_past_max_bad(tmp_path, tiny_target_dir):
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    work = _workdir(tmp_path, vocab)
+    proc = subprocess.run([sys.executable, str(ROOT / "03_build_vocab_mapping.py"), "--workdir",
+                           str(work), "--target", str(tiny_target_dir), "--draft-vocab", "16",
+                           "--max-bad", "1", "--log-level", "ERROR"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("03: error: 2 bad records, more than --max-bad 1")
+    assert str(work / "03_vocab/skipped.jsonl") in last and "Traceback" not in proc.stderr
+    assert not (work / "03_vocab/vocab_mapping.safetensors").exists()
