@@ -59,14 +59,15 @@ def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, genera
     done = done_ids(out_dir)
     todo = [j for j in jobs if j.id not in done]
     sink = RecordSink(out_dir, cfg.keep_length, len(todo))
+    hf = cfg.backend == "hf"
+    bar = progress(total=len(jobs if hf else todo), desc=f"01b {name} ({cfg.backend})",
+                   unit="req")
     try:
-        if cfg.backend == "hf":
-            bar = progress(total=len(jobs), desc=f"01b {name} (generate)", unit="req")
+        if hf:
             with StopSignals(RESUME) as stop:
                 counts = dict(run_generation(jobs, generator, sink, done, cfg.batch_size, bar,
                                              stop))
         else:  # the runner handles signals itself (requests in flight may finish)
-            bar = progress(total=len(todo), desc=f"01b {name} ({cfg.backend})", unit="req")
             runner_cfg = RunnerConfig(cfg.concurrency, cfg.long_concurrency,
                                       cfg.long_context_threshold, cfg.max_attempts,
                                       cfg.server_down_timeout_s, cfg.poll_s)
@@ -74,8 +75,8 @@ def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, genera
             counts = run_remote(todo, generator, sink, runner_cfg, generator.policy, bar)
             counts.update(sink.counts, seconds=round(time.monotonic() - t0, 1),
                           servers=dict(generator.pool.sent), **generator.stats)
+    finally:  # the bar first: a stop's last line on stderr is then the stage's own
         bar.close()
-    finally:
         sink.close()
     ids = [j.id for j in jobs]  # every job answered: the files in conversation order
     for f in ("tokenized.jsonl", "raw.jsonl", "failures.jsonl"):
