@@ -50,8 +50,7 @@ log = logging.getLogger(__name__)
 
 # How to resume a 01b run stopped by a signal (`Interrupted`, ended by `script_main` with one
 # stderr line and exit code 128 + the signal).
-RESUME = ("re-run the same command to resume (records already written are kept; only the "
-          "missing ones are generated)")
+RESUME = "re-run the same command to resume (only the missing records are generated)"
 
 
 class ServerDownError(ServerError):

@@ -111,7 +111,8 @@ def check_upstream_counts(manifest: dict | None, files: dict[str, Path],
         want = entry.get("records") if isinstance(entry, dict) else None
         if name in datasets and type(want) is not int:
             raise InputFileError(manifest_path, f"outputs.datasets.{name}.records is {want!r}, "
-                                                "not a count: the manifest was edited")
+                                                "not a count: the manifest was edited; re-run "
+                                                "01b (the same command with --force)")
         have = _line_count(files[name]) if name in files else 0
         if name not in datasets or have != want:
             said = "does not list it" if want is None else f"says {want:,} records"
