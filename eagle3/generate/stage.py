@@ -9,7 +9,13 @@ import time
 from pathlib import Path
 
 from eagle3.core.chat import ChatRenderer, RenderError
-from eagle3.core.faults import SKIP_LIST, BadRecords, StopSignals, disk_errors_named
+from eagle3.core.faults import (
+    SKIP_LIST,
+    BadRecords,
+    InputFileError,
+    StopSignals,
+    disk_errors_named,
+)
 from eagle3.core.progress import human_bytes, human_seconds, progress
 from eagle3.core.records import JsonlAppender
 from eagle3.core.server import RetryPolicy, ServerError, ServerPool
@@ -178,7 +184,11 @@ def run(cfg: GenerateConfig, stage: Stage, upstream: dict | None,
     bad = BadRecords(stage.dir, cfg.max_bad)
     try:
         for name, opts in datasets.items():
-            stage.add_input(cfg.workdir / UPSTREAM / name / "conversations.jsonl")
+            src = cfg.workdir / UPSTREAM / name / "conversations.jsonl"
+            if not src.is_file():
+                raise InputFileError(src, f"missing, though {UPSTREAM}/manifest.json lists "
+                                          f"dataset {name}: restore it or re-run stage 01")
+            stage.add_input(src)
             outputs[name] = process_dataset(name, opts, cfg, stage.dir, renderer, generator,
                                             bad)
     except ServerError as e:  # every server down for too long: what was written stays

@@ -25,7 +25,7 @@ from aiohttp import web
 from fault_helpers import make_read_only, make_writable, small_disk
 from stage_helpers import assert_same_folder
 
-from eagle3.core.faults import DiskError, TooManyBad, script_main
+from eagle3.core.faults import DiskError, InputFileError, TooManyBad, script_main
 from eagle3.core.records import read_jsonl
 from eagle3.core.server import RetryPolicy, ServerPool, TransientError
 from eagle3.generate.backends import BadAnswer, OpenAIBackend, RecordFailure, SGLangBackend
@@ -247,6 +247,16 @@ def test_damaged_input_lines_are_skipped_listed_and_counted_up_to_max_bad(
     outputs = json.loads((tmp_path / STAGE / "manifest.json").read_text())["outputs"]
     assert outputs["skipped"] == 4 and outputs["skip_reasons"] == {
         "bad JSON": 1, "bad record": 2, "torn line": 1}
+
+
+def test_input_file_listed_upstream_but_missing_is_an_error_naming_it(tmp_path,
+                                                                     tiny_target_dir):
+    write_prepared_stage(tmp_path, {"ds": synthetic_conversations(3, "ds")}, regenerate=False)
+    src = tmp_path / "01_prepared/ds/conversations.jsonl"
+    src.unlink()
+    with pytest.raises(InputFileError, match="missing.*lists dataset ds") as err:
+        _main(_argv(tmp_path, tiny_target_dir, "http://127.0.0.1:9"))
+    assert str(src) in str(err.value)
 
 
 # ---------------------------------------------------------------- full or read-only disk
