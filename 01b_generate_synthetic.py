@@ -6,10 +6,16 @@ Reads `<workdir>/01_prepared/*/conversations.jsonl`; writes
 `raw.jsonl` (every answer as received), `failures.jsonl` (records that failed, with the reason)
 and `quarantine.jsonl` (conversations that cannot be rendered). Datasets whose recipe entry says
 `"regenerate": false` keep their replies, rendered with the target's chat template.
-Killed (even with SIGKILL) and re-run with the same command, it resumes by record id; Ctrl-C
-once lets the requests in flight finish, twice abandons them. Answers are appended as they
-complete; when a dataset is done its files are rewritten in the order of its conversations, so
-a resumed run ends with the files of an uninterrupted one.
+Faults: a damaged input line (torn, not JSON, not a conversation record) is skipped and listed in
+`01b_generated/skipped.jsonl` (past `--max-bad` of them the stage stops); a server fault (HTTP
+5xx/429, no answer within --request-timeout-s, a body cut half-way, an answer that contradicts
+itself) is retried with backoff, then the record goes to failures.jsonl, never to the records;
+a full or read-only disk stops the stage naming the folder and the bytes needed.
+Killed (even with SIGKILL) and re-run with the same command, it resumes by record id; Ctrl-C or
+SIGTERM once lets the requests in flight finish (exit 128 + the signal, with a line saying how to
+resume), twice abandons them. Answers are appended as they complete; when a dataset is done its
+files are rewritten in the order of its conversations, so a resumed run ends with the files of
+an uninterrupted one.
 
 Backends: `sglang` (the real run: native /generate, exact output ids), `openai` (any
 /v1/chat/completions server; the reply is re-rendered with the template), `hf` (in process).

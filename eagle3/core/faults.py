@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -173,3 +174,16 @@ def script_main(main: Callable[[], int], name: str) -> int:
             raise
         print(f"{name}: error: {disk_error(e, e.filename or '.')}", file=sys.stderr)
         return 1
+
+
+@contextmanager
+def disk_errors_named(path: Path | str, needed_bytes: int | None = None):
+    """Within the block, a full or read-only disk (ENOSPC, EDQUOT, EROFS) raised by a plain
+    write (an append, which names no file) becomes the DiskError of `disk_error`, naming `path`'s
+    folder (the file's own, when the error names one) and the bytes needed."""
+    try:
+        yield
+    except OSError as e:
+        if not is_disk_error(e):
+            raise
+        raise disk_error(e, e.filename or path, needed_bytes) from e

@@ -8,7 +8,9 @@ native `/generate` takes `{"input_ids", "rid", "sampling_params"}` and answers
 `/v1/chat/completions`.
 
 Retries: a request is retried with exponential backoff (plus jitter) on HTTP 5xx, 429, timeouts
-and dropped connections; other 4xx answers are not retried. After `max_retries` attempts the
+(every attempt has a deadline: `RetryPolicy.timeout_s` covers connecting, waiting and reading the
+body), dropped connections (also half-way through the body), and a 200 whose body is not a JSON
+object (cut, garbled); other 4xx answers are not retried. After `max_retries` attempts the
 last error is raised as ServerError naming the URL, the request id and the cause.
 
 Several servers (or several SGLang routers) form a `ServerPool`: each request goes to the server
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import random
 from dataclasses import dataclass
@@ -123,15 +124,19 @@ async def post_once(session: aiohttp.ClientSession, url: str, payload: dict, tim
             if resp.status != 200:
                 raise ServerError(f"{url}: HTTP {resp.status} for {what} (not retried): "
                                   f"{(await resp.text())[:500]}")
-            return await resp.json(content_type=None)
+            answer = await resp.json(content_type=None)
     except aiohttp.ClientConnectorError as e:  # connection refused / no route: server down
         raise TransientError(f"{url}: cannot connect for {what}: {e}", unreachable=True) from e
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         raise TransientError(f"{url}: connection dropped during {what}: {e!r}") from e
     except asyncio.TimeoutError as e:
         raise TransientError(f"{url}: no answer within {timeout_s:.0f}s for {what}") from e
-    except json.JSONDecodeError as e:  # a 200 with a cut body
+    except ValueError as e:  # a 200 with a cut or garbled body (bad JSON, bad UTF-8)
         raise TransientError(f"{url}: unparsable answer for {what}: {e}") from e
+    if not isinstance(answer, dict):  # every endpoint we call answers a JSON object
+        raise TransientError(f"{url}: answer for {what} is not a JSON object: "
+                             f"{str(answer)[:200]}")
+    return answer
 
 
 async def _with_retries(attempt_once, policy: RetryPolicy, what: str, where: str = "") -> dict:

@@ -7,6 +7,11 @@ the server produced. `meta_info.prompt_tokens` must equal the ids sent (a server
 the prompt would otherwise yield a record whose reply continues a prompt the target never saw).
 SGLang answers `meta_info.finish_reason` as a dict, `{"type": "stop", "matched": <id>}` or
 `{"type": "length", "length": n}`, or `{"type": "abort", "message": ...}` (retried).
+An answer that contradicts itself is retried (BadAnswer) and never becomes a record: output ids
+that are not token ids, a count that differs from `completion_tokens`, exceeds `max_new_tokens`
+or falls short of the `length` the reply was cut at, an empty reply, a body without the API's
+fields. The openai backend likewise retries a reply without a finish reason (cut or aborted)
+and a `usage.completion_tokens` over `max_tokens`.
 
 `openai` (`/v1/chat/completions`): we send the prompt messages and tools with the template
 kwargs as `chat_template_kwargs` (vLLM, SGLang and `transformers serve` accept them), keep the
@@ -44,6 +49,18 @@ class RecordFailure(ValueError):
     """An answer that cannot become a record (not retried); the message is the reason."""
 
 
+class BadAnswer(TransientError):
+    """An answer that contradicts itself or its request (a token count, a reply cut short, a
+    body without the fields of the API): possibly a glitch of this attempt, so it is retried
+    like a 500; after the last attempt the record goes to the failures file. Never a record."""
+
+
+# OpenAI finish reasons of a reply the server finished by itself (TGI says "eos_token").
+OPENAI_FINISHED = ("stop", "length", "tool_calls", "function_call", "eos_token", "stop_sequence")
+# ... and of one it did not finish: retried, never recorded as a finished reply.
+OPENAI_UNFINISHED = (None, "abort", "error")
+
+
 @dataclass
 class SGLangBackend:
     """SGLang's native `/generate`, prompt ids in, exact output ids kept."""
@@ -70,26 +87,28 @@ class SGLangBackend:
                                     self.policy.timeout_s, f"request {job.id}")
 
     def to_record(self, job: GenerationJob, answer: dict) -> tuple[dict, dict]:
-        """(tokenized record, raw answer to keep) of one `/generate` answer."""
-        meta = answer.get("meta_info") or {}
-        output = answer.get("output_ids")
-        if not isinstance(output, list) or "prompt_tokens" not in meta:
-            raise RecordFailure(f"malformed answer: no output_ids or meta_info.prompt_tokens "
-                                f"({str(answer)[:200]})")
+        """(tokenized record, raw answer to keep) of one `/generate` answer; BadAnswer (retry)
+        for an answer that contradicts itself, RecordFailure for one that is final."""
+        meta, output = answer.get("meta_info"), answer.get("output_ids")
+        if not isinstance(meta, dict) or not isinstance(output, list) \
+                or "prompt_tokens" not in meta:
+            raise BadAnswer(f"malformed answer: no output_ids list or meta_info.prompt_tokens "
+                            f"({str(answer)[:200]})")
         if meta["prompt_tokens"] != len(job.prompt_ids):
             raise RecordFailure(f"prompt truncated: the server saw {meta['prompt_tokens']} "
                                 f"prompt tokens, {len(job.prompt_ids)} were sent (do not start "
                                 "the server with --allow-auto-truncate; raise --context-length)")
         reason = meta.get("finish_reason")
-        kind = reason.get("type") if isinstance(reason, dict) else reason
+        kind = reason_kind(reason)
         if kind == "abort":
             raise TransientError(f"request {job.id} aborted by the server: {reason}")
         if kind not in ("stop", "length"):
             raise RecordFailure(f"unknown finish reason {reason!r}")
-        if meta.get("completion_tokens", len(output)) != len(output):
-            raise RecordFailure(f"answer holds {len(output)} output ids but completion_tokens "
-                                f"is {meta['completion_tokens']}")
+        check_output_ids(job, output, meta, reason)
         matched = reason.get("matched") if isinstance(reason, dict) else None
+        if kind == "stop" and not output and not isinstance(matched, int):
+            raise BadAnswer("empty reply: finish_reason stop with no output id and no matched "
+                            "stop token")
         if kind == "stop" and isinstance(matched, int) and output[-1:] != [matched]:
             # The stop token the target emitted closes the turn and is supervised
             # (docs/PIPELINE.md); releases that leave it out of output_ids still name it as
@@ -108,6 +127,28 @@ class SGLangBackend:
                                 f"abort {job.id}")
             except Exception as e:  # noqa: BLE001 - shutting down; the server may be gone
                 log.debug("abort of %s on %s failed: %s", job.id, url, e)
+
+
+def check_output_ids(job: GenerationJob, output: list, meta: dict, reason) -> None:
+    """BadAnswer unless the output ids are token ids (non-negative ints) whose count agrees with
+    `completion_tokens`, the request's budget and, for a reply cut by the limit, its length."""
+    if not all(type(t) is int and t >= 0 for t in output):
+        raise BadAnswer(f"output_ids holds values that are not token ids: {str(output)[:200]}")
+    n = len(output)
+    if meta.get("completion_tokens", n) != n:
+        raise BadAnswer(f"wrong token count: the answer holds {n} output ids but "
+                        f"completion_tokens is {meta['completion_tokens']}")
+    if n > job.max_new_tokens:
+        raise BadAnswer(f"wrong token count: {n} output ids, more than max_new_tokens "
+                        f"{job.max_new_tokens}")
+    cut_at = reason.get("length") if isinstance(reason, dict) else None
+    if reason_kind(reason) == "length" and type(cut_at) is int and cut_at != n:
+        raise BadAnswer(f"reply cut short: finish_reason says length {cut_at} but the answer "
+                        f"holds {n} output ids")
+
+
+def reason_kind(reason) -> str | None:
+    return reason.get("type") if isinstance(reason, dict) else reason
 
 
 @dataclass
@@ -146,10 +187,21 @@ class OpenAIBackend:
         try:
             choice = answer["choices"][0]
             message, finish = choice["message"], choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError) as e:
-            raise RecordFailure(f"malformed answer: no choices[0].message "
-                                f"({str(answer)[:200]})") from e
-        usage = answer.get("usage") or {}
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            raise BadAnswer(f"malformed answer: no choices[0].message "
+                            f"({str(answer)[:200]})") from e
+        if not isinstance(message, dict):
+            raise BadAnswer(f"malformed answer: choices[0].message is not an object "
+                            f"({str(answer)[:200]})")
+        if finish in OPENAI_UNFINISHED:  # cut or aborted: never a finished reply
+            raise BadAnswer(f"reply not finished: finish_reason {finish!r}")
+        if finish not in OPENAI_FINISHED:
+            raise RecordFailure(f"unusable finish reason {finish!r}")
+        usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+        n_out = usage.get("completion_tokens")
+        if type(n_out) is int and n_out > job.max_new_tokens:
+            raise BadAnswer(f"wrong token count: usage.completion_tokens {n_out} is more than "
+                            f"max_tokens {job.max_new_tokens}")
         if self.check_prompt_tokens and usage.get("prompt_tokens") not in (None,
                                                                            len(job.prompt_ids)):
             raise RecordFailure(

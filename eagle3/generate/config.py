@@ -45,6 +45,11 @@ class GenerateConfig(UpstreamStageFlags):
                                           "differs from our rendered prompt")
     max_failure_fraction: float = arg(0.01, "largest share of failed records that still "
                                             "completes the stage")
+    max_bad: int = arg(10, "damaged lines of the input conversations.jsonl files (torn, not "
+                           "JSON, not a conversation record) skipped and listed in "
+                           "skipped.jsonl before the stage stops; stage 01 writes none, so any "
+                           "is damage: 10 rides over a few in a days-long run and stops early "
+                           "on a wrong or corrupt file (0 = stop at the first, -1 = no limit)")
     batch_size: int = arg(8, "hf backend: prompts generated together")
     dtype: str = arg("float32", "hf backend: model dtype (float32, bfloat16)")
     device: str = arg("cpu", "hf backend: torch device")
@@ -57,6 +62,8 @@ class GenerateConfig(UpstreamStageFlags):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.temperature < 0:
             raise ValueError("--temperature must be >= 0 (0 = greedy)")
+        if self.max_bad < -1:
+            raise ValueError("--max-bad must be >= 0, or -1 for no limit")
         if not 0 <= self.max_failure_fraction <= 1:
             raise ValueError("--max-failure-fraction must be in [0, 1]")
         if self.api_key_env and self.backend != "openai":

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from eagle3.core.chat import ChatRenderer, RenderError, split_for_generation
+from eagle3.core.faults import DiskError, disk_errors_named
 from eagle3.core.records import JsonlAppender, TokenizedRecord
 from eagle3.core.stage import atomic_writer
 
@@ -107,7 +108,8 @@ def write_in_job_order(path: Path, ids: list[str]) -> None:
             offset += len(line)
     rank = {rid: k for k, rid in enumerate(ids)}
     order = sorted(where, key=lambda rid: rank.get(rid, len(rank)))  # stable: others in file order
-    with path.open("rb") as src, atomic_writer(path) as out:
+    need = sum(size for _, size in where.values())
+    with path.open("rb") as src, atomic_writer(path, expected_bytes=need) as out:
         for rid in order:
             start, size = where[rid]
             src.seek(start)
@@ -154,18 +156,20 @@ def generated_record(job: GenerationJob, output_ids: list[int], finish_reason: s
 
 
 class RecordSink:
-    """The three append-only outputs of a regenerated dataset, written in a crash-safe order."""
+    """The three append-only outputs of a regenerated dataset, written in a crash-safe order.
+    `todo`: the answers this run expects, for the bytes a full disk would still need."""
 
-    def __init__(self, out_dir: Path, keep_length: bool = True):
+    def __init__(self, out_dir: Path, keep_length: bool = True, todo: int = 0):
         self.out = JsonlAppender(out_dir / "tokenized.jsonl")
         self.raw = JsonlAppender(out_dir / "raw.jsonl")
         # Rebuilt on every run: the records that failed before are tried again.
         (out_dir / "failures.jsonl").unlink(missing_ok=True)
         self.failures = JsonlAppender(out_dir / "failures.jsonl")
-        self.keep_length = keep_length
+        self.keep_length, self.todo = keep_length, todo
         self.counts = {"generated": 0, "stop": 0, "length": 0, "dropped_length": 0,
                        "failed": 0, "output_tokens": 0}
         self.failure_reasons: dict[str, int] = {}
+        self.line_bytes = 0  # bytes of the lines given to the appenders so far
 
     def add(self, record: dict, raw: dict) -> bool:
         """Write one answer (raw) and its record unless dropped; True when the record is kept."""
@@ -173,33 +177,56 @@ class RecordSink:
         kept = self.keep_length or reason != "length"
         # raw first: a kill between the two writes repeats this raw line on resume (harmless)
         # rather than losing it; `kept: false` marks the record done without a record.
-        self.raw.write({**raw, "kept": kept})
-        self.raw.hand_to_os()  # else a kill could keep the record and lose its raw line
+        self._write(self.raw, {**raw, "kept": kept})
+        with self._disk(self.raw, 0):
+            self.raw.hand_to_os()  # else a kill could keep the record and lose its raw line
         self.counts["generated"] += 1
         self.counts[reason] = self.counts.get(reason, 0) + 1
         self.counts["output_tokens"] += record["n_response_tokens"]
         if kept:
-            self.out.write(record)
+            self._write(self.out, record)
         else:
             self.counts["dropped_length"] += 1
         return kept
 
+    def _write(self, appender: JsonlAppender, line: dict) -> None:
+        size = len(json.dumps(line, ensure_ascii=False).encode()) + 1
+        with self._disk(appender, size):
+            appender.write(line)
+        self.line_bytes += size
+
+    def _disk(self, appender: JsonlAppender, size: int):
+        """DiskError naming the file, with the bytes the rest of this run needs: this line
+        plus the answers still to come at the mean size of those written so far."""
+        done = self.counts["generated"] + self.counts["failed"]
+        left = max(self.todo - done, 0) * self.line_bytes // max(done, 1)
+        return disk_errors_named(appender.path, size + left or None)
+
     def fail(self, record_id: str, kind: str, reason: str, attempts: int) -> None:
         """A record that could not be generated (`kind`: a short class of `reason`, for the
         summary); re-running the stage tries it again."""
-        self.failures.write({"id": record_id, "kind": kind, "reason": reason,
-                             "attempts": attempts})
+        self._write(self.failures, {"id": record_id, "kind": kind, "reason": reason,
+                                    "attempts": attempts})
         self.counts["failed"] += 1
         self.failure_reasons[kind] = self.failure_reasons.get(kind, 0) + 1
         log.debug("record %s failed after %d attempts: %s", record_id, attempts, reason)
 
     def flush(self) -> None:
         for f in (self.raw, self.out, self.failures):
-            f.flush()
+            with self._disk(f, 0):
+                f.flush()
 
     def close(self) -> None:
+        """Close every file, then raise the first error (a full disk) of any."""
+        first = None
         for f in (self.raw, self.out, self.failures):
-            f.close()
+            try:
+                with self._disk(f, 0):
+                    f.close()
+            except DiskError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
 class HFGenerator:
@@ -242,8 +269,9 @@ class HFGenerator:
 
 
 def run_generation(jobs: list[GenerationJob], generator: HFGenerator, sink: RecordSink,
-                   done: set[str], batch_size: int, bar) -> dict:
+                   done: set[str], batch_size: int, bar, stop=None) -> dict:
     """hf backend: generate every job not in `done` in fixed batches; returns the sink's counts.
+    `stop` (an `eagle3.core.faults.StopSignals`) is checked after each batch is written.
 
     Fixed batches over a fixed order (longest first) are identical on every run, and a batch
     with any missing record is regenerated whole, so a resumed run writes the same tokens as an
@@ -263,4 +291,6 @@ def run_generation(jobs: list[GenerationJob], generator: HFGenerator, sink: Reco
                       "finish_reason": reason})
         sink.flush()
         bar.update(len(batch))
+        if stop is not None:
+            stop.check()
     return sink.counts

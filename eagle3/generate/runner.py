@@ -12,8 +12,12 @@
   server is marked down (a pool sends elsewhere), probed every `poll_s`, and when every server
   has been down for `server_down_timeout_s` the run stops with ServerDownError (re-run resumes).
 - Signals: the first SIGINT/SIGTERM stops sending new requests and lets those in flight finish;
-  a second abandons them (SGLang is asked to abort them); the run then raises Interrupted after
-  flushing what was written. Output order follows completion, so resume is by record id.
+  a second abandons them (SGLang is asked to abort them); the run then raises
+  `eagle3.core.faults.Interrupted` after flushing what was written (the script ends with a line
+  saying how to resume and exit code 128 + the signal). Output order follows completion, so
+  resume is by record id.
+- A full disk (DiskError from the sink) stops the run at once; the answers in flight are lost
+  and generated again by the re-run.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Iterator
 
 import aiohttp
 
+from eagle3.core.faults import DiskError, Interrupted
 from eagle3.core.server import (
     RetryPolicy,
     ServerError,
@@ -43,13 +48,9 @@ from eagle3.generate.jobs import GenerationJob, RecordSink
 log = logging.getLogger(__name__)
 
 
-class Interrupted(RuntimeError):
-    """The run was stopped by a signal; what was written stays, re-running resumes."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}; re-run the same command "
-                         "to resume")
-        self.signum = signum
+# How to resume a 01b run stopped by a signal (`Interrupted`, ended by `script_main` with one
+# stderr line and exit code 128 + the signal).
+RESUME = "re-run the same command to resume (only the missing records are generated)"
 
 
 class ServerDownError(ServerError):
@@ -159,7 +160,7 @@ class GenerationRun:
         if self.fatal is not None:
             raise self.fatal
         if self.signum is not None:
-            raise Interrupted(self.signum)
+            raise Interrupted(self.signum, RESUME)
         return self.counts
 
     async def _pass(self, jobs: list[GenerationJob], concurrency: int) -> None:
@@ -169,7 +170,7 @@ class GenerationRun:
         try:
             await asyncio.gather(*self.workers)
         except asyncio.CancelledError:
-            if self.signum is None:  # cancelled from outside, not by a second signal
+            if self.signum is None and self.fatal is None:  # cancelled from outside
                 raise
         except BaseException:
             for w in self.workers:
@@ -203,7 +204,12 @@ class GenerationRun:
             self.counts["requests"] += 1
             try:
                 answer = await self.backend.request(self.session, job, attempt)
-                record, raw = self.backend.to_record(job, answer)
+                try:
+                    record, raw = self.backend.to_record(job, answer)
+                except (KeyError, TypeError, AttributeError, IndexError) as e:
+                    # A shape of answer the backend's checks did not foresee: this record
+                    # fails (never written as good) and the run goes on.
+                    raise RecordFailure(f"malformed answer: {e!r} ({str(answer)[:200]})") from e
                 self.sink.add(record, raw)
                 return
             except TransientError as e:
@@ -248,7 +254,13 @@ class GenerationRun:
             tok_s = c["output_tokens"] / max(time.monotonic() - t0, 1e-9)
             self.bar.set_postfix_str(f"out {tok_s:,.0f} tok/s | failed {c['failed']} | "
                                      f"in flight {len(self.inflight)}", refresh=False)
-            self.sink.flush()
+            try:
+                self.sink.flush()
+            except DiskError as e:  # the disk is full: stop now, the answers in flight are lost
+                self.fatal, self.stopping = e, True
+                for w in self.workers:
+                    w.cancel()
+                return
 
 
 def run_remote(jobs: list[GenerationJob], backend, sink: RecordSink, cfg: RunnerConfig,

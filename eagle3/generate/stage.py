@@ -9,23 +9,32 @@ import time
 from pathlib import Path
 
 from eagle3.core.chat import ChatRenderer, RenderError
+from eagle3.core.faults import (
+    SKIP_LIST,
+    BadRecords,
+    InputFileError,
+    StopSignals,
+    disk_errors_named,
+)
 from eagle3.core.progress import human_bytes, human_seconds, progress
-from eagle3.core.records import JsonlAppender, read_jsonl
+from eagle3.core.records import JsonlAppender
 from eagle3.core.server import RetryPolicy, ServerError, ServerPool
 from eagle3.core.stage import STAGE_DIRS, Quarantine, Stage, StageResult, atomic_write_json
 from eagle3.core.target import load_hf_model, load_tokenizer
 from eagle3.generate.backends import OpenAIBackend, SGLangBackend
 from eagle3.generate.config import GenerateConfig
+from eagle3.generate.inputs import read_conversations
 from eagle3.generate.jobs import (
     HFGenerator,
     RecordSink,
     build_job,
     done_ids,
+    line_ids,
     run_generation,
     tokenize_kept,
     write_in_job_order,
 )
-from eagle3.generate.runner import Interrupted, RunnerConfig, connect, run_remote
+from eagle3.generate.runner import RESUME, RunnerConfig, connect, run_remote
 
 __all__ = ["STAGE", "UPSTREAM", "GenerateConfig", "run"]
 
@@ -54,14 +63,17 @@ def build_generator(cfg: GenerateConfig, renderer: ChatRenderer, tokenizer,
 def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, generator) -> dict:
     """Generate the jobs not done yet; returns the dataset's generation counts."""
     done = done_ids(out_dir)
-    sink = RecordSink(out_dir, cfg.keep_length)
+    todo = [j for j in jobs if j.id not in done]
+    sink = RecordSink(out_dir, cfg.keep_length, len(todo))
+    hf = cfg.backend == "hf"
+    bar = progress(total=len(jobs if hf else todo), desc=f"01b {name} ({cfg.backend})",
+                   unit="req")
     try:
-        if cfg.backend == "hf":
-            bar = progress(total=len(jobs), desc=f"01b {name} (generate)", unit="req")
-            counts = dict(run_generation(jobs, generator, sink, done, cfg.batch_size, bar))
-        else:
-            todo = [j for j in jobs if j.id not in done]
-            bar = progress(total=len(todo), desc=f"01b {name} ({cfg.backend})", unit="req")
+        if hf:
+            with StopSignals(RESUME) as stop:
+                counts = dict(run_generation(jobs, generator, sink, done, cfg.batch_size, bar,
+                                             stop))
+        else:  # the runner handles signals itself (requests in flight may finish)
             runner_cfg = RunnerConfig(cfg.concurrency, cfg.long_concurrency,
                                       cfg.long_context_threshold, cfg.max_attempts,
                                       cfg.server_down_timeout_s, cfg.poll_s)
@@ -69,8 +81,8 @@ def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, genera
             counts = run_remote(todo, generator, sink, runner_cfg, generator.policy, bar)
             counts.update(sink.counts, seconds=round(time.monotonic() - t0, 1),
                           servers=dict(generator.pool.sent), **generator.stats)
+    finally:  # the bar first: a stop's last line on stderr is then the stage's own
         bar.close()
-    finally:
         sink.close()
     ids = [j.id for j in jobs]  # every job answered: the files in conversation order
     for f in ("tokenized.jsonl", "raw.jsonl", "failures.jsonl"):
@@ -79,47 +91,63 @@ def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, genera
     return counts
 
 
+def keep_dataset(name: str, convs, renderer: ChatRenderer, max_seq_len: int, out_dir: Path,
+                 quarantine: Quarantine) -> None:
+    """Tokenize a dataset's own replies into `out_dir/tokenized.jsonl` (resumed by id)."""
+    done = done_ids(out_dir)
+    with disk_errors_named(out_dir / "tokenized.jsonl"), StopSignals(RESUME) as stop, \
+            JsonlAppender(out_dir / "tokenized.jsonl") as out:
+        for conv in progress(convs, desc=f"01b {name} (keep)", unit="conv"):
+            stop.check()
+            try:
+                records = list(tokenize_kept(conv, renderer, max_seq_len))
+            except RenderError as e:
+                quarantine.add(conv["id"], str(e))
+                continue
+            for rec in records:
+                if rec["id"] not in done:
+                    out.write(rec)
+
+
+def build_jobs(convs, renderer: ChatRenderer, max_seq_len: int, max_new_tokens: int,
+               quarantine: Quarantine) -> list:
+    """The generation jobs of a dataset's conversations; the others are quarantined."""
+    jobs, seen = [], set()
+    with StopSignals(RESUME) as stop:
+        for conv in convs:
+            stop.check()
+            try:
+                if conv["id"] in seen:
+                    raise RenderError("duplicate id: a record with this id came earlier")
+                jobs.append(build_job(conv, renderer, max_seq_len, max_new_tokens))
+                seen.add(conv["id"])
+            except RenderError as e:
+                quarantine.add(conv["id"], str(e))
+    return jobs
+
+
 def process_dataset(name: str, opts: dict, cfg: GenerateConfig, stage_dir: Path,
-                    renderer: ChatRenderer, generator) -> dict:
-    """Tokenize or regenerate one dataset into `stage_dir/<name>/`; returns its counts."""
+                    renderer: ChatRenderer, generator, bad: BadRecords) -> dict:
+    """Tokenize or regenerate one dataset into `stage_dir/<name>/`; returns its counts.
+    Damaged input lines go to `bad` (the stage's skip list)."""
     src = cfg.workdir / UPSTREAM / name / "conversations.jsonl"
     out_dir = stage_dir / name
     (out_dir / "quarantine.jsonl").unlink(missing_ok=True)  # rebuilt whole on every run
     quarantine = Quarantine(out_dir / "quarantine.jsonl")
     counts = {"regenerate": opts["regenerate"]}
-    if not opts["regenerate"]:
-        done = done_ids(out_dir)
-        with JsonlAppender(out_dir / "tokenized.jsonl") as out:
-            for conv in progress(read_jsonl(src), desc=f"01b {name} (keep)", unit="conv"):
-                try:
-                    records = list(tokenize_kept(conv, renderer, opts["max_seq_len"]))
-                except RenderError as e:
-                    quarantine.add(conv["id"], str(e))
-                    continue
-                for rec in records:
-                    if rec["id"] not in done:
-                        out.write(rec)
-    else:
-        jobs, seen = [], set()
-        for conv in read_jsonl(src):
-            try:
-                if conv["id"] in seen:
-                    raise RenderError("duplicate id: a record with this id came earlier")
-                jobs.append(build_job(conv, renderer, opts["max_seq_len"], cfg.max_new_tokens))
-                seen.add(conv["id"])
-            except RenderError as e:
-                quarantine.add(conv["id"], str(e))
-        counts.update(regenerate(name, jobs, cfg, out_dir, generator))
-    quarantine.close()
-    counts["records"] = len(_tokenized_ids(out_dir))
+    convs = read_conversations(src, bad)
+    with disk_errors_named(out_dir / "quarantine.jsonl"):
+        if not opts["regenerate"]:
+            keep_dataset(name, convs, renderer, opts["max_seq_len"], out_dir, quarantine)
+        else:
+            jobs = build_jobs(convs, renderer, opts["max_seq_len"], cfg.max_new_tokens,
+                              quarantine)
+            counts.update(regenerate(name, jobs, cfg, out_dir, generator))
+        quarantine.close()
+    counts["records"] = len(line_ids(out_dir / "tokenized.jsonl"))
     counts["quarantined"] = quarantine.count
     atomic_write_json(out_dir / "done.json", counts)
     return counts
-
-
-def _tokenized_ids(out_dir: Path) -> set[str]:
-    path = out_dir / "tokenized.jsonl"
-    return {r["id"] for r in read_jsonl(path)} if path.exists() else set()
 
 
 def summary_rows(outputs: dict, seconds: float, disk: int) -> dict:
@@ -152,14 +180,22 @@ def run(cfg: GenerateConfig, stage: Stage, upstream: dict | None,
     if any(d["regenerate"] for d in datasets.values()):
         generator = build_generator(cfg, renderer, tokenizer, api_key)
     outputs = {}
+    (stage.dir / SKIP_LIST).unlink(missing_ok=True)  # every input is read again: rebuilt whole
+    bad = BadRecords(stage.dir, cfg.max_bad)
     try:
         for name, opts in datasets.items():
-            stage.add_input(cfg.workdir / UPSTREAM / name / "conversations.jsonl")
-            outputs[name] = process_dataset(name, opts, cfg, stage.dir, renderer, generator)
-    except Interrupted as e:
-        return StageResult(None, 128 + e.signum, f"01b interrupted: {e}")
+            src = cfg.workdir / UPSTREAM / name / "conversations.jsonl"
+            if not src.is_file():
+                raise InputFileError(src, f"missing, though {UPSTREAM}/manifest.json lists "
+                                          f"dataset {name}: restore it or re-run stage 01")
+            stage.add_input(src)
+            outputs[name] = process_dataset(name, opts, cfg, stage.dir, renderer, generator,
+                                            bad)
     except ServerError as e:  # every server down for too long: what was written stays
         return StageResult(None, 1, f"01b stopped: {e}")
+    finally:
+        with disk_errors_named(bad.path):
+            bad.close()
     failed = {n: c["failed"] for n, c in outputs.items()
               if c.get("failed", 0) > cfg.max_failure_fraction * max(c.get("jobs", 0), 1)}
     if failed:
@@ -167,5 +203,7 @@ def run(cfg: GenerateConfig, stage: Stage, upstream: dict | None,
                            f"too many failed records {failed} (> --max-failure-fraction "
                            f"{cfg.max_failure_fraction}); see failures.jsonl, fix the cause and "
                            "re-run the same command: only the missing records are generated")
-    manifest = stage.finish(outputs={"datasets": outputs})
-    return StageResult(summary_rows(outputs, time.time() - t0, manifest["disk_bytes"]))
+    manifest = stage.finish(outputs={"datasets": outputs, **bad.summary()})
+    rows = summary_rows(outputs, time.time() - t0, manifest["disk_bytes"])
+    rows[f"damaged input lines skipped ({SKIP_LIST})"] = bad.count
+    return StageResult(rows)

@@ -3,7 +3,10 @@
 Two passes, so that no token list is held in memory (the real run merges ~88M tokens):
 
 1. `scan` reads every record once and keeps an index entry (file offset, id, token hash,
-   lengths). Records that break the tokenized contract are dropped as `invalid`; records over
+   lengths). A damaged line (torn, empty, not JSON, or a record that breaks the tokenized
+   contract: fields, lengths, token ids that are not non-negative ints, a 0/1 loss mask) is
+   skipped as `invalid` and listed in the stage's skip list (`BadRecords`, key
+   `<source>/tokenized.jsonl:<line>`), which stops the stage past `--max-bad`; records over
    `max_seq_len` are dropped (`too long`) or, when the source's recipe entry says
    `"overlength": "truncate"`, cut to the limit (dropped if no supervised token is left).
    Exact duplicates (same token ids after truncation) keep the copy with the smallest id,
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3.core.faults import InputFileError
 from eagle3.core.progress import progress
 from eagle3.core.records import RecordError, count_jsonl, validate_tokenized
 from eagle3.core.stage import atomic_writer
@@ -58,6 +62,7 @@ class Entry:
     digest: bytes
     truncate_to: int | None = None
     repeat: int = 0  # 0 = the record itself, k > 0 = its k-th repeat (id `<id>~rK`)
+    nbytes: int = 0  # the line's size in its file (what writing it costs, about)
 
     @property
     def out_id(self) -> str:
@@ -85,6 +90,49 @@ class SourceStats:
                 "length": {**pct, "max": int(lengths.max()), "mean": float(lengths.mean())}}
 
 
+def check_upstream_counts(manifest: dict | None, files: dict[str, Path],
+                          manifest_path: Path) -> None:
+    """InputFileError when 01b's complete manifest disagrees with the files it describes: a
+    dataset listed without its tokenized.jsonl (or the reverse), or a record count that differs
+    from the file's lines (a torn last line counts as a line: it is skipped as damage, later).
+    A manifest edited by hand, or a file changed after 01b finished, must not merge silently."""
+    if not manifest or not manifest.get("complete"):
+        return  # --allow-partial: nothing to hold the files to
+    datasets = (manifest.get("outputs") or {}).get("datasets")
+    if datasets is None:
+        log.warning("%s gives no per-dataset record counts: the files are not checked "
+                    "against it", manifest_path)
+        return
+    if not isinstance(datasets, dict):
+        raise InputFileError(manifest_path, "outputs.datasets is not an object: the manifest "
+                                            "was damaged or edited; re-run 01b with --force")
+    for name in sorted(set(datasets) | set(files)):
+        entry = datasets.get(name)
+        want = entry.get("records") if isinstance(entry, dict) else None
+        if name in datasets and type(want) is not int:
+            raise InputFileError(manifest_path, f"outputs.datasets.{name}.records is {want!r}, "
+                                                "not a count: the manifest was edited; re-run "
+                                                "01b (the same command with --force)")
+        have = _line_count(files[name]) if name in files else 0
+        if name not in datasets or have != want:
+            said = "does not list it" if want is None else f"says {want:,} records"
+            raise InputFileError(manifest_path, (
+                f"{name}: {manifest_path.parent / name / 'tokenized.jsonl'} holds {have:,} "
+                f"lines but the manifest {said}: the manifest or the file changed after 01b "
+                "finished. Restore the file, or re-run 01b (the same command with --force) "
+                "to rebuild both"))
+
+
+def _line_count(path: Path) -> int:
+    """Lines of a file, a last line without its newline included."""
+    n, last = 0, b"\n"
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 22):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
+
+
 def conversation_id(record_id: str) -> str:
     """The id of the conversation a record comes from (`a/b#1~r2` -> `a/b`)."""
     return record_id.split("~r")[0].split("#")[0]
@@ -101,8 +149,9 @@ def token_hash(input_ids: list[int]) -> bytes:
 
 
 def scan(files: dict[str, Path], max_seq_len: int, policies: dict[str, SourcePolicy],
-         quarantine) -> tuple[list[Entry], list[Path], dict[str, SourceStats]]:
-    """Index every valid record under the length policy; returns (entries, files, stats)."""
+         quarantine, bad) -> tuple[list[Entry], list[Path], dict[str, SourceStats]]:
+    """Index every valid record under the length policy; returns (entries, files, stats).
+    Damaged lines go to `bad` (a BadRecords), records dropped by a policy to `quarantine`."""
     paths = [files[s] for s in sorted(files)]
     stats = {s: SourceStats() for s in sorted(files)}
     entries: list[Entry] = []
@@ -111,31 +160,68 @@ def scan(files: dict[str, Path], max_seq_len: int, policies: dict[str, SourcePol
         policy = policies.get(source, SourcePolicy())
         offset = 0
         with path.open("rb") as f:
-            for line in f:
+            for n, line in enumerate(f, start=1):
                 here, offset = offset, offset + len(line)
                 bar.update(1)
-                if not line.strip():
+                rec, damage = parse_line(line)
+                if damage:
+                    stats[source].drop("invalid")
+                    bad.add(f"{source}/{path.name}:{n}", damage, path)
                     continue
-                entry, reason = _index(line, source, k, here, max_seq_len, policy)
+                entry, reason = _index(rec, source, k, here, max_seq_len, policy)
                 if reason:
                     stats[source].drop(reason.split(":")[0])
                     quarantine.add(entry, reason)
                     continue
+                entry.nbytes = len(line)
                 stats[source].truncated += entry.truncate_to is not None
                 entries.append(entry)
     bar.close()
     return entries, paths, stats
 
 
-def _index(line: bytes, source: str, k: int, offset: int, max_seq_len: int,
-           policy: SourcePolicy) -> tuple:
-    """(Entry, None) for a usable record, (its id, reason) otherwise."""
+def parse_line(line: bytes) -> tuple[dict | None, str | None]:
+    """(record, None) for a line of a tokenized.jsonl that holds one, else (None, why not: the
+    skip list's reason)."""
+    if not line.strip():
+        return None, "empty line: stage 01b writes none; the file was damaged"
     if not line.endswith(b"\n"):
-        return None, "invalid: torn last line (its writer was killed); re-run that stage"
+        return None, (f"torn line: the last line ({len(line)} bytes) has no newline; the file "
+                      "was cut short (re-run 01b, or restore the file)")
     try:
-        rec = validate_tokenized(json.loads(line))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecordError) as e:
-        return None, f"invalid: {e}"
+        rec = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"bad JSON: {e}"
+    try:
+        check_token_fields(rec)
+        validate_tokenized(rec)
+    except RecordError as e:
+        return None, f"bad record: {e}"
+    return rec, None
+
+
+def check_token_fields(rec) -> None:
+    """RecordError unless `rec` is an object whose id is a string, whose `input_ids` are
+    non-negative ints, `loss_mask` ints and `seq_len` an int (validate_tokenized checks the rest:
+    the fields present, the lengths agree, the mask is 0/1 with a supervised token)."""
+    if not isinstance(rec, dict):
+        raise RecordError(f"not a JSON object but {type(rec).__name__}")
+    rid = rec.get("id")
+    if not isinstance(rid, str) or not rid:
+        raise RecordError(f"id {rid!r} is not a non-empty string")
+    ids, mask = rec.get("input_ids"), rec.get("loss_mask")
+    # type(t) is int: a float, a string or a JSON true is no token id (bool is an int subclass)
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise RecordError(f"record {rid}: input_ids missing or not a list of non-negative ints")
+    if not isinstance(mask, list) or not all(type(m) is int for m in mask):
+        raise RecordError(f"record {rid}: loss_mask missing or not a list of ints")
+    if type(rec.get("seq_len")) is not int:
+        raise RecordError(f"record {rid}: seq_len missing or not an int")
+
+
+def _index(rec: dict, source: str, k: int, offset: int, max_seq_len: int,
+           policy: SourcePolicy) -> tuple:
+    """(Entry, None) for a usable record, (its id, reason) when a policy drops it."""
     ids, mask, cut = rec["input_ids"], rec["loss_mask"], None
     if rec["seq_len"] > max_seq_len:
         if policy.overlength == "drop":
@@ -208,7 +294,7 @@ def write_split(path: Path, entries: list[Entry], files: list[Path],
     handles = [p.open("rb") for p in files]
     tokens = 0
     try:
-        with atomic_writer(path) as out:
+        with atomic_writer(path, expected_bytes=sum(e.nbytes for e in entries)) as out:
             for e in progress(entries, desc=desc, unit="rec"):
                 f = handles[e.file]
                 f.seek(e.offset)
