@@ -12,8 +12,8 @@ As `sglang.launch_server` (the launcher test puts a shim on PYTHONPATH): `main(a
 `--port` and the `--speculative-*` flags and serves until killed.
 
 Faults on cue (the stage-05 fault tests): `faults={first prompt id: kind}` makes every request
-whose prompt starts with that id misbehave, `once=[kind, ...]` the next requests in turn (then
-it behaves). Kinds (`FAULTS`): "http500"; "hang" (never answers); "drop" (the connection is
+whose prompt starts with that id misbehave (a list of kinds: its next requests in turn, then it
+behaves), `once=[kind, ...]` the next requests of any prompt in turn. Kinds (`FAULTS`): "http500"; "hang" (never answers); "drop" (the connection is
 closed half-way through the stream); "eof" (the stream ends half-way, cleanly, with no final
 chunk); "count" (completion_tokens disagrees with the ids sent); "short" (half the tokens, no
 finish reason). `metrics_fault` = "garbage" or "missing" spoils vLLM's `/metrics`.
@@ -48,15 +48,18 @@ FAULTS = ("http500", "hang", "drop", "eof", "count", "short")
 class FakeBenchServer:
     def __init__(self, info: dict, tokens_per_verify: int | None = None, ttft_s: float = 0.03,
                  step_s: float = 0.02, incremental: bool = False, port: int = 0,
-                 faults: dict[int, str] | None = None, once: list[str] | None = None,
+                 faults: dict[int, str | list[str]] | None = None,
+                 once: list[str] | None = None,
                  metrics_fault: str | None = None):
         self.info = {"version": "0.5.23", "speculative_algorithm": None, **info,
                      "incremental_streaming_output": incremental}
         self.k, self.ttft_s, self.step_s = tokens_per_verify, ttft_s, step_s
         self.incremental, self.port = incremental, port
         self.requests: list[dict] = []
-        self.faults, self.once = dict(faults or {}), list(once or [])
-        assert set(self.faults.values()) | set(self.once) <= set(FAULTS)
+        self.faults = {k: list(v) if isinstance(v, list) else v for k, v in (faults or {}).items()}
+        self.once = list(once or [])
+        cued = [k for v in self.faults.values() for k in ([v] if isinstance(v, str) else v)]
+        assert set(cued) | set(self.once) <= set(FAULTS)
         self.metrics_fault = metrics_fault
         self.counters = {"drafts": 0, "accepted": 0}  # vLLM's spec-decode counters
         self._loop = self._runner = self._thread = None
@@ -75,7 +78,10 @@ class FakeBenchServer:
         """The fault this request is cued for, if any."""
         if self.once:
             return self.once.pop(0)
-        return self.faults.get(prompt[0]) if prompt else None
+        fault = self.faults.get(prompt[0]) if prompt else None
+        if isinstance(fault, list):
+            return fault.pop(0) if fault else None
+        return fault
 
     async def _model_info(self, request):
         return web.json_response({"model_path": self.info.get("model_path", "fake")})

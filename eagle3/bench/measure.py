@@ -108,7 +108,8 @@ class LevelProbe(Protocol):
 
     async def before(self) -> Any: ...
 
-    async def after(self, before: Any, records: list[RequestRecord]) -> dict: ...
+    async def after(self, before: Any, records: list[RequestRecord], failed: int) -> dict:
+        """The level's figures; `failed`: its requests that failed for good."""
 
 
 async def run_level(base_url: str, prompts: list[list[int]], concurrency: int,
@@ -237,7 +238,7 @@ def measure_levels(base_url: str, role: str, prompt_sets: list[PromptSet],
                                                 failed=failed, stop=stop)
                 summary = summarize_level(records, wall, len(failed))  # loop share included
                 if probe is not None:
-                    summary.update(await probe.after(before, records))
+                    summary.update(await probe.after(before, records, len(failed)))
                 out[ps.name][str(c)] = summary
                 log.info("%s %s c=%d: %s", role, ps.name, c, brief_level(summary))
                 write_level_records(sink, role, ps, c, records)

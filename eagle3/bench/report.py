@@ -246,15 +246,23 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
                    None)]
         for key, label, fname, ref in panels:
             fig, ax = plt.subplots(figsize=(6, 4))
+            plotted = False
             for name, levels in results["prompt_sets"].items():
                 xs = [int(c) for c in levels]
                 ys = [levels[c]["speedup"] if key == "speedup"
                       else levels[c]["speculative"]["acceptance_length"] for c in levels]
+                if all(y is None for y in ys):  # every request failed, or no counters
+                    continue
                 ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o",
                         label=name)
+                plotted = True
             if ref is not None:
                 ax.axhline(ref, color="gray", linestyle="--", linewidth=1)
-            ax.set_xscale("log", base=2)
+            if plotted:
+                ax.set_xscale("log", base=2)
+            else:
+                ax.text(0.5, 0.5, "no level measured (see report.md)", ha="center",
+                        transform=ax.transAxes)
             ax.set(xlabel="concurrency (requests in flight)", ylabel=label,
                    title=f"{label} vs concurrency")
             ax.legend()

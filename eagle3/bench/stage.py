@@ -120,7 +120,8 @@ def run(cfg: BenchmarkConfig, stage: Stage, check: DraftCheck) -> StageResult:
             write_partial(stage.dir, {**results, **e.partial}, e.signum)
             raise
     results["preflight"] += measured.pop("preflight", [])  # the servers' own checks
-    results.update(measured, failed_requests=failed_requests(results, stage.dir))
+    results.update(measured)
+    results["failed_requests"] = failed_requests(results, stage.dir)
     atomic_write_json(stage.dir / "results.json", results)
     atomic_write_bytes(stage.dir / "report.md", report_markdown(results).encode())
     plots = write_plots(results, stage.dir)

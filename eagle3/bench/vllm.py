@@ -310,12 +310,20 @@ class SpecProbe:
     async def before(self) -> SpecCounters | str:
         return await self.read()
 
-    async def after(self, before: SpecCounters | str, records: list[RequestRecord]) -> dict:
+    async def after(self, before: SpecCounters | str, records: list[RequestRecord],
+                    failed: int = 0) -> dict:
         now = await self.read()
         error = next((x for x in (before, now) if isinstance(x, str)), None)
         delta = None if error else now.minus(before)
-        return {**acceptance_figures(delta, records, error),
-                "outputs": {r.prompt_index: r.output_ids for r in records}}
+        figures = acceptance_figures(delta, records, error)
+        retried = sum(1 for r in records if r.attempts > 1)
+        if (failed or retried) and figures["acceptance_length"] is not None:
+            # The counters are the server's: they hold the rounds of every failed attempt too.
+            figures["acceptance_length_with_failed_attempts"] = figures["acceptance_length"]
+            figures.update(acceptance_length=None, tokens_per_round=None,
+                           metrics_error=f"{failed} failed and {retried} retried requests: the "
+                                         "counters include rounds of answers not measured")
+        return {**figures, "outputs": {r.prompt_index: r.output_ids for r in records}}
 
 
 def measure_vllm_server(url: str, role: str, prompt_sets, concurrencies: list[int],
