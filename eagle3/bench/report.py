@@ -265,7 +265,8 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
                         transform=ax.transAxes)
             ax.set(xlabel="concurrency (requests in flight)", ylabel=label,
                    title=f"{label} vs concurrency")
-            ax.legend()
+            if plotted:
+                ax.legend()
             paths.append(_save(fig, out_dir / fname))
     else:
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -21,7 +21,7 @@ import pytest
 from bench_fake_server import FAULTS, FakeBenchServer
 from bench_helpers import fake_sglang_shim, free_port, make_tiny_draft, port_is_open
 
-from eagle3.bench.faults import BenchmarkError, check_answer, BadAnswer
+from eagle3.bench.faults import BadAnswer, BenchmarkError, check_answer
 from eagle3.bench.measure import LoadSettings
 from eagle3.bench.prompts import PromptSet
 from eagle3.bench.sglang import measure_server
