@@ -10,6 +10,15 @@ deltas with `incremental=True`) and `data: [DONE]`, like SGLang's `/generate`.
 In a test: `with FakeBenchServer(info, tokens_per_verify=3) as url: ...` (a background thread).
 As `sglang.launch_server` (the launcher test puts a shim on PYTHONPATH): `main(argv)` reads
 `--port` and the `--speculative-*` flags and serves until killed.
+
+Faults on cue (the stage-05 fault tests): `faults={first prompt id: kind}` makes every request
+whose prompt starts with that id misbehave (a list of kinds: its next requests in turn, then it
+behaves), `once=[kind, ...]` the next requests of any prompt in turn. Kinds (`FAULTS`): "http500"; "hang" (never answers); "drop" (the connection is
+closed half-way through the stream); "eof" (the stream ends half-way, cleanly, with no final
+chunk); "count" (completion_tokens disagrees with the ids sent); "short" (half the tokens, no
+finish reason). `metrics_fault` = "garbage" or "missing" spoils vLLM's `/metrics`.
+The same server speaks vLLM's OpenAI face too: `/v1/models`, `/v1/completions` (token ids in
+and out, streamed with a usage chunk) and `/metrics` with the `vllm:spec_decode_*` counters.
 """
 
 from __future__ import annotations
@@ -33,14 +42,26 @@ def verify_count(n: int, tokens_per_verify: int | None) -> int | None:
     return math.ceil((n - 1) / tokens_per_verify) if tokens_per_verify else None
 
 
+FAULTS = ("http500", "hang", "drop", "eof", "count", "short")
+
+
 class FakeBenchServer:
     def __init__(self, info: dict, tokens_per_verify: int | None = None, ttft_s: float = 0.03,
-                 step_s: float = 0.02, incremental: bool = False, port: int = 0):
+                 step_s: float = 0.02, incremental: bool = False, port: int = 0,
+                 faults: dict[int, str | list[str]] | None = None,
+                 once: list[str] | None = None,
+                 metrics_fault: str | None = None):
         self.info = {"version": "0.5.23", "speculative_algorithm": None, **info,
                      "incremental_streaming_output": incremental}
         self.k, self.ttft_s, self.step_s = tokens_per_verify, ttft_s, step_s
         self.incremental, self.port = incremental, port
         self.requests: list[dict] = []
+        self.faults = {k: list(v) if isinstance(v, list) else v for k, v in (faults or {}).items()}
+        self.once = list(once or [])
+        cued = [k for v in self.faults.values() for k in ([v] if isinstance(v, str) else v)]
+        assert set(cued) | set(self.once) <= set(FAULTS)
+        self.metrics_fault = metrics_fault
+        self.counters = {"drafts": 0, "accepted": 0}  # vLLM's spec-decode counters
         self._loop = self._runner = self._thread = None
 
     def app(self) -> web.Application:
@@ -48,7 +69,19 @@ class FakeBenchServer:
         app.router.add_get("/model_info", self._model_info)
         app.router.add_get("/server_info", self._server_info)
         app.router.add_post("/generate", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/metrics", self._metrics)
         return app
+
+    def _fault(self, prompt: list[int]) -> str | None:
+        """The fault this request is cued for, if any."""
+        if self.once:
+            return self.once.pop(0)
+        fault = self.faults.get(prompt[0]) if prompt else None
+        if isinstance(fault, list):
+            return fault.pop(0) if fault else None
+        return fault
 
     async def _model_info(self, request):
         return web.json_response({"model_path": self.info.get("model_path", "fake")})
@@ -56,27 +89,59 @@ class FakeBenchServer:
     async def _server_info(self, request):
         return web.json_response(self.info)
 
-    def _meta(self, prompt: list[int], ids: list[int], done: bool) -> dict:
+    def _meta(self, prompt: list[int], ids: list[int], done: bool, max_new: int,
+              fault: str | None = None) -> dict:
         meta = {"prompt_tokens": len(prompt), "cached_tokens": 0, "completion_tokens": len(ids)}
         verify = verify_count(len(ids), self.k)
         if done:
-            meta["finish_reason"] = {"type": "length"}
+            # "stop": the reply ended (an end of turn) before max_new_tokens; "length": it did not
+            meta["finish_reason"] = {"type": "length" if len(ids) >= max_new else "stop"}
+            if fault == "short":
+                meta["finish_reason"] = None
+            if fault == "count":
+                meta["completion_tokens"] = len(ids) + 3
             if verify:
                 meta["spec_verify_ct"] = verify
         return meta
 
+    def _answer(self, prompt: list[int], max_new: int, fault: str | None):
+        """(output ids, commit points): the prefill token, then 1 or k tokens per step."""
+        ids = fake_output_ids(prompt, max_new)
+        if fault == "short":
+            ids = ids[:max(1, len(ids) // 2)]
+        cuts = [1] + list(range(1 + (self.k or 1), len(ids), self.k or 1)) + [len(ids)]
+        return ids, sorted(set(c for c in cuts if c <= len(ids)))
+
+    async def _misbehave(self, request, fault: str | None):
+        """The answer of a request cued for "http500" or "hang"; None for the other kinds."""
+        if fault == "http500":
+            return web.Response(status=500, text="fake: internal server error")
+        if fault == "hang":
+            await asyncio.sleep(3600)
+        return None
+
     async def _generate(self, request):
         payload = await request.json()
         self.requests.append(payload)
-        prompt = payload["input_ids"]
-        ids = fake_output_ids(prompt, payload["sampling_params"]["max_new_tokens"])
-        # Commit points: the prefill token, then 1 or k tokens per step.
-        cuts = [1] + list(range(1 + (self.k or 1), len(ids), self.k or 1)) + [len(ids)]
-        cuts = sorted(set(c for c in cuts if c <= len(ids)))
+        prompt, max_new = payload["input_ids"], payload["sampling_params"]["max_new_tokens"]
+        fault = self._fault(prompt)
+        if (bad := await self._misbehave(request, fault)) is not None:
+            return bad
+        ids, cuts = self._answer(prompt, max_new, fault)
         if not payload.get("stream"):
             await asyncio.sleep(self.ttft_s + self.step_s * (len(cuts) - 1))
             return web.json_response({"text": "", "output_ids": ids,
-                                      "meta_info": self._meta(prompt, ids, True)})
+                                      "meta_info": self._meta(prompt, ids, True, max_new, fault)})
+
+        def chunk(i: int, cut: int, sent: int) -> dict:
+            chunk_ids = ids[sent:cut] if self.incremental else ids[:cut]
+            return {"text": "", "output_ids": chunk_ids,
+                    "meta_info": self._meta(prompt, ids[:cut], cut == len(ids), max_new, fault)}
+
+        return await self._stream(request, cuts, chunk, fault, b"data: [DONE]\n\n")
+
+    async def _stream(self, request, cuts: list[int], chunk, fault: str | None, tail: bytes):
+        """SSE chunks at the scripted times; "drop" / "eof" stop half-way."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await asyncio.sleep(self.ttft_s)
@@ -84,14 +149,68 @@ class FakeBenchServer:
         for i, cut in enumerate(cuts):
             if i:
                 await asyncio.sleep(self.step_s)
-            chunk_ids = ids[sent:cut] if self.incremental else ids[:cut]
-            chunk = {"text": "", "output_ids": chunk_ids,
-                     "meta_info": self._meta(prompt, ids[:cut], cut == len(ids))}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if fault in ("drop", "eof") and i >= max(1, len(cuts) // 2):
+                if fault == "drop":
+                    request.transport.close()  # mid-stream: no terminating chunk
+                    return resp
+                break
+            await resp.write(b"data: " + json.dumps(chunk(i, cut, sent)).encode() + b"\n\n")
             sent = cut
-        await resp.write(b"data: [DONE]\n\n")
+        else:
+            await resp.write(tail)
         await resp.write_eof()
         return resp
+
+    # ------------------------------------------------------------ vLLM's face
+
+    async def _models(self, request):
+        return web.json_response({"data": [{"id": self.info.get("model_path", "fake")}]})
+
+    async def _completions(self, request):
+        payload = await request.json()
+        self.requests.append(payload)
+        prompt, max_new = payload["prompt"], payload["max_tokens"]
+        fault = self._fault(prompt)
+        if (bad := await self._misbehave(request, fault)) is not None:
+            return bad
+        ids, cuts = self._answer(prompt, max_new, fault)
+        finish = None if fault == "short" else ("length" if len(ids) >= max_new else "stop")
+        count = len(ids) + (3 if fault == "count" else 0)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": count}
+        if fault not in ("drop", "eof"):
+            self._count_spec(len(ids))
+        if not payload.get("stream"):
+            await asyncio.sleep(self.ttft_s + self.step_s * (len(cuts) - 1))
+            return web.json_response({"choices": [{"token_ids": ids, "finish_reason": finish}],
+                                      "usage": usage})
+
+        def chunk(i: int, cut: int, sent: int) -> dict:
+            return {"choices": [{"token_ids": ids[sent:cut],
+                                 "finish_reason": finish if cut == len(ids) else None}]}
+
+        tail = (b"data: " + json.dumps({"choices": [], "usage": usage}).encode()
+                + b"\n\ndata: [DONE]\n\n")
+        return await self._stream(request, cuts, chunk, fault, tail)
+
+    def _count_spec(self, n: int) -> None:
+        """vLLM's counters for one reply of n tokens: a round per verify, k drafts each."""
+        rounds = verify_count(n, self.k) or 0
+        self.counters["drafts"] += rounds
+        self.counters["accepted"] += (n - 1) - rounds if rounds else 0
+
+    async def _metrics(self, request):
+        if self.metrics_fault == "missing":
+            return web.Response(status=404, text="404: Not Found")
+        if self.metrics_fault == "garbage":
+            return web.Response(text="<html>this is {{ not prometheus</html>\n")
+        c, k = self.counters, self.k or 0
+        lines = ["# TYPE vllm:spec_decode_num_drafts counter",
+                 f'vllm:spec_decode_num_drafts_total{{engine="0"}} {c["drafts"]}',
+                 "# TYPE vllm:spec_decode_num_draft_tokens counter",
+                 f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {c["drafts"] * k}',
+                 "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+                 f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {c["accepted"]}']
+        return web.Response(text="\n".join(lines) + "\n")
 
     # ------------------------------------------------------------ background thread
 
@@ -100,7 +219,9 @@ class FakeBenchServer:
 
         def serve():
             self._loop = asyncio.new_event_loop()
-            self._runner = web.AppRunner(self.app())
+            # A client that gave up cancels its handler (a "hang" does not outlive the test).
+            self._runner = web.AppRunner(self.app(), handler_cancellation=True,
+                                         shutdown_timeout=1.0)
             self._loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, "127.0.0.1", self.port)
             self._loop.run_until_complete(site.start())
@@ -143,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     k = 3 if args.speculative_algorithm == "EAGLE3" else None
     server = FakeBenchServer(info, tokens_per_verify=k,
                              incremental=args.incremental_streaming_output)
-    web.run_app(server.app(), host="127.0.0.1", port=args.port, print=None)
+    web.run_app(server.app(), host="127.0.0.1", port=args.port, print=None,
+                handler_cancellation=True)
 
 
 if __name__ == "__main__":

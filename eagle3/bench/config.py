@@ -50,13 +50,30 @@ class BenchmarkConfig(UpstreamStageFlags):
     sglang_python: str = arg(sys.executable, "sglang: python that runs sglang.launch_server")
     vllm_python: str = arg(sys.executable, "vllm: python that runs vLLM's api_server (a venv "
                                            "of its own, e.g. .venv-vllm/bin/python)")
-    ready_timeout_s: float = arg(3600.0, "sglang: seconds a launched server may take to load")
+    ready_timeout_s: float = arg(3600.0, "sglang, vllm: seconds a launched server may take to "
+                                         "load")
+    request_timeout_s: float = arg(600.0, "sglang, vllm: seconds one attempt of a request may "
+                                          "take (then it is retried)")
+    retries: int = arg(3, "sglang, vllm: retries of a request after a server error, timeout, "
+                          "cut stream or miscounted answer (backoff doubling from "
+                          "--retry-delay-s); then it is listed in failed_requests.jsonl and "
+                          "left out of every figure")
+    retry_delay_s: float = arg(1.0, "sglang, vllm: first backoff before a retry, seconds")
+    max_bad: int = arg(0, "prompt-set lines that cannot be used (bad JSON, torn, no prompt) "
+                          "skipped and listed in skipped.jsonl before the stage stops; 0 (the "
+                          "default) stops at the first, since a skipped prompt makes the "
+                          "figures incomparable with another run's; -1 = no limit")
     concurrency: list[int] = arg([1, 4, 16, 64], "sglang: requests in flight, per level")
     stream: bool = arg(True, "sglang: stream answers (needed for TTFT)")
     sglang_version: str | None = arg(None, "release that will serve the draft, for the layer "
                                            "check without a server (default: both rules)")
 
     def __post_init__(self):
+        if self.request_timeout_s <= 0 or self.retry_delay_s < 0 or self.retries < 0:
+            raise ValueError("--request-timeout-s must be positive, --retries and "
+                             "--retry-delay-s at least 0")
+        if self.max_bad < -1:
+            raise ValueError(f"--max-bad must be >= 0, or -1 for no limit; got {self.max_bad}")
         if self.context_bucket_tokens <= 0:
             raise ValueError(f"--context-bucket-tokens must be positive, got "
                              f"{self.context_bucket_tokens}")

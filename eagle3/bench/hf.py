@@ -26,7 +26,9 @@ from eagle3.bench.evaluate import (
     autoregressive_decode,
     speculative_decode,
 )
+from eagle3.bench.faults import PartialRun
 from eagle3.bench.prompts import PromptSet
+from eagle3.core.faults import Interrupted
 from eagle3.core.loops import loop_stats, loop_summary
 from eagle3.core.progress import progress
 from eagle3.core.target import load_embedding, load_hf_model
@@ -45,8 +47,12 @@ def check_draft(cfg: BenchmarkConfig, draft_dir: Path) -> DraftCheck:
 
 
 def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_dir: Path,
-            renderer, check: DraftCheck) -> dict:
-    """Every prompt set, plain and speculative at each --steps; the results dict."""
+            renderer, check: DraftCheck, stop=None) -> dict:
+    """Every prompt set, plain and speculative at each --steps; the results dict. `stop` (a
+    StopSignals) is checked between prompts: a signal raises PartialRun with the prompt sets
+    finished before it."""
+    if stop is not None:
+        stop.polled = True  # a prompt takes seconds: finish it, then stop
     dtype = getattr(torch, cfg.dtype)
     model = load_hf_model(cfg.target, cfg.dtype, cfg.device, cfg.trust_remote_code)
     draft = load_draft(draft_dir, cfg.device, dtype)
@@ -55,9 +61,14 @@ def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_
     out = {}
     for ps in sets:
         bar = progress(total=len(ps.prompts), desc=f"05 {ps.name}", unit="prompt")
-        out[ps.name] = run_offline(model, draft, embed, ps, cfg.steps, cfg.max_new_tokens, eos,
-                                   bar, cfg.temperature, cfg.seed)
-        bar.close()
+        try:
+            out[ps.name] = run_offline(model, draft, embed, ps, cfg.steps, cfg.max_new_tokens,
+                                       eos, bar, cfg.temperature, cfg.seed, stop)
+        except Interrupted as e:
+            raise PartialRun(e.signum, {"temperature": cfg.temperature, "prompt_sets": out}) \
+                from None
+        finally:
+            bar.close()
         for m in out[ps.name]["steps"].values():  # the table at the requested bucket width
             m["acceptance_by_context"] = acceptance_by_context(
                 m["accept_lengths"], m["round_contexts"], cfg.context_bucket_tokens)
@@ -74,12 +85,15 @@ def per_position_rates(accept_lengths: list[int], steps: int) -> list[float]:
 
 def run_offline(model, draft, embed, prompt_set: PromptSet, steps_list: list[int],
                 max_new_tokens: int, eos: set[int], bar=None, temperature: float = 0.0,
-                seed: int = 0) -> dict:
-    """Baseline + speculative runs of one prompt set; returns its results dict."""
+                seed: int = 0, stop=None) -> dict:
+    """Baseline + speculative runs of one prompt set; returns its results dict. `stop` (a
+    StopSignals): checked before each prompt (Interrupted)."""
     capture = draft.cfg.capture_layers
     proposer = Eagle3Proposer(draft, embed)
     base, spec = [], {s: [] for s in steps_list}
     for i, prompt in enumerate(prompt_set.prompts):
+        if stop is not None:
+            stop.check()
         gen = sampling_generator(seed, i)
         base.append(autoregressive_decode(TargetRunner(model, [0]), prompt, max_new_tokens, eos,
                                           temperature, gen))

@@ -18,6 +18,12 @@ How each figure is measured, on our own requests only:
 - loop share: share of the output tokens inside repetition loops (eagle3/core/loops.py); the
   loop-free acceptance needs per-round lengths, which the servers do not report;
 - speedup: speculative total tok/s / baseline total tok/s at the same prompt set and concurrency.
+
+Faults (eagle3/bench/faults.py): each request is retried with backoff on a server error, a
+timeout, a cut stream or a miscounted answer; one that fails every attempt is left out of every
+figure, listed in `failed_requests.jsonl` and counted in its level's `failed_requests`. A level
+whose requests fail many in a row sends no more. A SIGTERM abandons the level in flight and
+raises `PartialRun` with the levels measured before it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,18 @@ from typing import Any, Protocol
 import aiohttp
 
 from eagle3.bench.config import BenchmarkConfig
+from eagle3.bench.faults import (
+    FAILED_FILE,
+    FailedRequest,
+    FailureStreak,
+    PartialRun,
+    RequestFailed,
+    check_answer,
+    watch_for_stop,
+    with_retries,
+)
 from eagle3.bench.prompts import PromptSet
+from eagle3.core.faults import Interrupted, disk_error, is_disk_error
 from eagle3.core.launcher import LaunchedServer
 from eagle3.core.loops import loop_stats
 from eagle3.core.progress import progress
@@ -62,6 +79,7 @@ class RequestRecord:
     ttft_s: float | None  # None without streaming
     latency_s: float
     start_s: float  # since the level began
+    attempts: int = 1  # > 1: retried; the figures are those of the last attempt
 
 
 @dataclass
@@ -71,7 +89,14 @@ class LoadSettings:
     sampling_params: dict
     stream: bool = True
     incremental_stream: bool = False  # the server's --incremental-streaming-output
-    timeout_s: float = 3600.0
+    timeout_s: float = 3600.0  # per attempt of a request
+    retries: int = 3  # attempts after the first
+    retry_delay_s: float = 1.0  # first backoff; doubles each retry
+
+    def warmup(self, max_new_tokens: int) -> LoadSettings:
+        return LoadSettings({**self.sampling_params, "max_new_tokens": max_new_tokens},
+                            self.stream, self.incremental_stream, self.timeout_s, self.retries,
+                            self.retry_delay_s)
 
 
 # (session, base url, prompt ids, rid, load) -> (output ids, meta, TTFT s, latency s)
@@ -83,36 +108,72 @@ class LevelProbe(Protocol):
 
     async def before(self) -> Any: ...
 
-    async def after(self, before: Any, records: list[RequestRecord]) -> dict: ...
+    async def after(self, before: Any, records: list[RequestRecord], failed: int) -> dict:
+        """The level's figures; `failed`: its requests that failed for good."""
 
 
 async def run_level(base_url: str, prompts: list[list[int]], concurrency: int,
-                    load: LoadSettings, tag: str, bar=None, *,
-                    send: Send) -> tuple[list[RequestRecord], float]:
-    """All requests of one concurrency level; returns the records and the wall time.
-    `send`: the backend's request (eagle3/bench/sglang.py, eagle3/bench/vllm.py)."""
+                    load: LoadSettings, tag: str, bar=None, *, send: Send,
+                    failed: list[FailedRequest] | None = None,
+                    stop=None) -> tuple[list[RequestRecord], float]:
+    """All requests of one concurrency level; returns the good records and the wall time.
+    `send`: the backend's request (eagle3/bench/sglang.py, eagle3/bench/vllm.py). A request
+    that fails every attempt goes to `failed` (None: RequestFailed is raised). `stop` (a
+    StopSignals): a signal abandons the level (Interrupted)."""
     n = max(len(prompts), 2 * concurrency)
     limit = asyncio.Semaphore(concurrency)
+    streak = FailureStreak(max(4, concurrency))
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
         t_level = time.perf_counter()
 
-        async def one(i: int) -> RequestRecord:
+        async def one(i: int) -> RequestRecord | FailedRequest:
             async with limit:
                 p = i % len(prompts)
                 rid = f"bench-{tag}-{i}-{uuid.uuid4().hex[:8]}"
                 start = time.perf_counter() - t_level
-                ids, meta, ttft, latency = await send(session, base_url, prompts[p], rid, load)
-                if bar is not None:
-                    bar.update(1)
-                return RequestRecord(p, rid, ids, int(meta.get("completion_tokens", len(ids))),
-                                     int(meta.get("prompt_tokens", len(prompts[p]))),
-                                     int(meta.get("cached_tokens", 0)), meta.get("spec_verify_ct"),
-                                     ttft, latency, start)
+                try:
+                    if streak.broken:
+                        return FailedRequest(p, rid, 0, streak.reason())
+                    record = await _attempts(session, base_url, prompts[p], p, rid, load, send)
+                    record.start_s = start
+                    streak.record(True)
+                    return record
+                except RequestFailed as e:
+                    streak.record(False)
+                    if failed is None:
+                        raise
+                    return FailedRequest(p, rid, e.attempts, str(e))
+                finally:
+                    if bar is not None:
+                        bar.update(1)
 
-        records = await asyncio.gather(*(one(i) for i in range(n)))
+        done = await watch_for_stop(asyncio.gather(*(one(i) for i in range(n))), stop)
         wall = time.perf_counter() - t_level
-    return list(records), wall
+    for bad in (r for r in done if isinstance(r, FailedRequest)):
+        log.warning("%s: prompt %d failed for good: %s", tag, bad.prompt_index, bad.reason)
+        if failed is not None:
+            failed.append(bad)
+    return [r for r in done if isinstance(r, RequestRecord)], wall
+
+
+async def _attempts(session, base_url: str, prompt: list[int], p: int, rid: str,
+                    load: LoadSettings, send: Send) -> RequestRecord:
+    """One request with its retries (eagle3/bench/faults.py); its good answer as a record."""
+    max_new = load.sampling_params["max_new_tokens"]
+
+    async def attempt(n: int):
+        attempt_rid = rid if n == 0 else f"{rid}-retry{n}"  # a hung first attempt keeps its rid
+        ids, meta, ttft, latency = await send(session, base_url, prompt, attempt_rid, load)
+        check_answer(ids, meta, max_new, f"{base_url}: request {attempt_rid}")
+        return ids, meta, ttft, latency
+
+    (ids, meta, ttft, latency), attempts = await with_retries(
+        attempt, load.retries, load.retry_delay_s, f"{base_url}: request {rid}")
+    return RequestRecord(p, rid, ids, int(meta.get("completion_tokens", len(ids))),
+                         int(meta.get("prompt_tokens", len(prompt))),
+                         int(meta.get("cached_tokens", 0)), meta.get("spec_verify_ct"),
+                         ttft, latency, 0.0, attempts)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -123,14 +184,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
-    """The figures of one level (definitions in the module docstring)."""
+def summarize_level(records: list[RequestRecord], wall_s: float, failed: int = 0) -> dict:
+    """The figures of one level (definitions in the module docstring), over its good records;
+    `failed`: requests of the level that failed for good (in no figure)."""
     tokens = sum(r.completion_tokens for r in records)
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     verified = [r for r in records if r.spec_verify_ct]
     verify_ct = sum(r.spec_verify_ct for r in verified)
     return {
         "requests": len(records),
+        "failed_requests": failed,
+        "retried_requests": sum(1 for r in records if r.attempts > 1),
         "completion_tokens": tokens,
         "wall_s": wall_s,
         "total_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -151,50 +215,84 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
 
 def measure_levels(base_url: str, role: str, prompt_sets: list[PromptSet],
                    concurrencies: list[int], load: LoadSettings, send: Send, sink=None,
-                   bar=None, warmup_tokens: int = 16, probe: LevelProbe | None = None) -> dict:
+                   bar=None, warmup_tokens: int = 16, probe: LevelProbe | None = None, *,
+                   failed_sink=None, stop=None) -> dict:
     """{prompt set: {concurrency: summary}} of one server after one warm-up request; every
-    request record goes to `sink.write(dict)` (a JsonlAppender) with its role, set and
-    concurrency; `probe`'s figures join each level's summary."""
+    good request goes to `sink.write(dict)` (a JsonlAppender) with its role, set and
+    concurrency, every failed one to `failed_sink`; `probe`'s figures join each level's
+    summary. `stop` (a StopSignals): a signal abandons the level in flight and raises
+    PartialRun with the levels measured before it."""
+    out: dict = {}
 
-    async def go() -> dict:
-        warm = LoadSettings({**load.sampling_params, "max_new_tokens": warmup_tokens},
-                            load.stream, load.incremental_stream, load.timeout_s)
-        await run_level(base_url, prompt_sets[0].prompts[:1], 1, warm, f"{role}-warmup",
-                        send=send)
-        out: dict = {}
+    async def go() -> None:
+        warm_failed: list[FailedRequest] = []
+        await run_level(base_url, prompt_sets[0].prompts[:1], 1, load.warmup(warmup_tokens),
+                        f"{role}-warmup", send=send, failed=warm_failed, stop=stop)
         for ps in prompt_sets:
             out[ps.name] = {}
             for c in concurrencies:
                 before = await probe.before() if probe is not None else None
+                failed: list[FailedRequest] = []
                 records, wall = await run_level(base_url, ps.prompts, c, load,
-                                                f"{role}-{ps.name}-c{c}", bar, send=send)
-                summary = summarize_level(records, wall)  # loop share included
+                                                f"{role}-{ps.name}-c{c}", bar, send=send,
+                                                failed=failed, stop=stop)
+                summary = summarize_level(records, wall, len(failed))  # loop share included
                 if probe is not None:
-                    summary.update(await probe.after(before, records))
+                    summary.update(await probe.after(before, records, len(failed)))
                 out[ps.name][str(c)] = summary
                 log.info("%s %s c=%d: %s", role, ps.name, c, brief_level(summary))
                 write_level_records(sink, role, ps, c, records)
-        return out
+                write_level_records(failed_sink, role, ps, c, failed)
 
-    return asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except Interrupted as e:
+        raise PartialRun(e.signum, {role: {k: v for k, v in out.items() if v}}) from None
+    return out
 
 
 def measure_roles(cfg: BenchmarkConfig, prompt_sets: list[PromptSet], stage_dir: Path,
-                  measure_role: Callable) -> tuple[dict, dict, LoadSettings]:
+                  measure_role: Callable, stop=None) -> tuple[dict, dict, LoadSettings]:
     """Baseline, then speculative, one server at a time: (measured, servers, load) by role.
-    `measure_role(role, load, sink, bar)` serves the role and returns (server summary for
-    results.json, its `measure_levels` answer)."""
+    `measure_role(role, load, sinks, bar)` serves the role and returns (server summary for
+    results.json, its `measure_levels` answer); `sinks` holds `measure_levels`' sink,
+    failed_sink and stop. A stop raises PartialRun holding what both roles measured."""
     load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature},
-                        cfg.stream)
+                        cfg.stream, timeout_s=cfg.request_timeout_s, retries=cfg.retries,
+                        retry_delay_s=cfg.retry_delay_s)
     n = sum(max(len(ps.prompts), 2 * c) for ps in prompt_sets for c in cfg.concurrency)
     bar = progress(total=2 * n, desc="05 requests", unit="req")
-    (stage_dir / REQUESTS_FILE).unlink(missing_ok=True)  # a re-run measures afresh
+    for name in (REQUESTS_FILE, FAILED_FILE):  # a re-run measures afresh
+        (stage_dir / name).unlink(missing_ok=True)
     measured, servers = {}, {}
-    with JsonlAppender(stage_dir / REQUESTS_FILE) as sink:
-        for role in ROLES:
-            servers[role], measured[role] = measure_role(role, load, sink, bar)
-    bar.close()
+    try:
+        with JsonlAppender(stage_dir / REQUESTS_FILE) as sink, \
+                JsonlAppender(stage_dir / FAILED_FILE, fsync_every=1) as failed_sink:
+            for role in ROLES:
+                sinks = {"sink": sink, "failed_sink": failed_sink, "stop": stop}
+                servers[role], measured[role] = measure_role(role, load, sinks, bar)
+    except Interrupted as e:
+        measured.update(getattr(e, "partial", {}))
+        raise PartialRun(e.signum, partial_results(measured, servers)) from None
+    except OSError as e:
+        if not is_disk_error(e):
+            raise
+        raise disk_error(e, e.filename or stage_dir / REQUESTS_FILE) from e
+    finally:
+        bar.close()
+    if not (stage_dir / FAILED_FILE).stat().st_size:
+        (stage_dir / FAILED_FILE).unlink()  # only a run with failures lists them
     return measured, servers, load
+
+
+def partial_results(measured: dict, servers: dict) -> dict:
+    """What a stopped run keeps: the levels both servers finished (compared), and those only
+    the baseline finished."""
+    base, spec = measured.get("baseline", {}), measured.get("speculative", {})
+    only = {name: {c: s for c, s in levels.items() if c not in spec.get(name, {})}
+            for name, levels in base.items()}
+    return {"servers": servers, "prompt_sets": combine(base, spec),
+            "baseline_only": {name: levels for name, levels in only.items() if levels}}
 
 
 @contextlib.contextmanager
@@ -211,7 +309,8 @@ def attached_or_launched(cfg: BenchmarkConfig, role: str, command: Callable[[], 
 
 
 def write_level_records(sink, role: str, ps, concurrency: int, records) -> None:
-    """One line per request of a level to `sink` (None: nothing), tagged with where it ran."""
+    """One line per request (a RequestRecord or a FailedRequest) of a level to `sink` (None:
+    nothing), tagged with where it ran."""
     if sink is None:
         return
     for r in records:
@@ -221,10 +320,11 @@ def write_level_records(sink, role: str, ps, concurrency: int, records) -> None:
 
 def brief_level(s: dict) -> str:
     """One log line of a level's summary: speed, and acceptance with the loop share beside it."""
-    acc = s["acceptance_length"]
+    acc, failed = s["acceptance_length"], s.get("failed_requests")
     return (f"{s['total_tok_s']:.1f} tok/s total, {s['per_request_tok_s']:.1f} per request"
             + (f", acceptance {acc:.3f} (loop share {s['loop_share']:.0%})"
-               if acc is not None else ""))
+               if acc is not None else "")
+            + (f", {failed} requests FAILED (not counted)" if failed else ""))
 
 
 def combine(baseline: dict, speculative: dict) -> dict:

@@ -16,23 +16,30 @@ A prompt set is a name and a list of prompts as token ids, exactly what the targ
 Conversation records (`{"id", "messages", "tools"?}`, docs/PIPELINE.md's shape) are rendered with
 the target's chat template (`ChatRenderer.prompt_ids`, generation prompt added); a conversation that
 ends with an assistant turn is cut before it, so the target writes that turn itself.
+
+Bad lines (not JSON, a torn last line, not an object, no prompt, an empty prompt) are skipped
+and listed with their file and line in `05_benchmark/skipped.jsonl` (`BadRecords`, up to
+`--max-bad`); without a skip list the first one is an `InputFileError` naming the file and line.
+A set with no usable prompt at all is an `InputFileError`.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from eagle3.core.chat import split_for_generation
-from eagle3.core.records import read_jsonl
-from eagle3.core.stage import STAGE_DIRS
+from eagle3.core.faults import BadRecords, InputFileError
+from eagle3.core.stage import STAGE_DIRS, StageError
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 BUILTIN_SETS = ("chat", "code", "math", "tools")
 EVAL_SET = "eval"
 
 
-class PromptError(ValueError):
+class PromptError(StageError, ValueError):
     """A prompt set that cannot be loaded; the message names the file or record and the fix."""
 
 
@@ -56,34 +63,78 @@ def prompt_set_path(spec: str, workdir: Path) -> Path:
     return path
 
 
-def load_prompt_set(spec: str, workdir: Path, renderer=None, limit: int | None = None
-                    ) -> PromptSet:
-    """The first `limit` prompts of a set; `renderer` (a ChatRenderer) renders conversations."""
+def load_prompt_set(spec: str, workdir: Path, renderer=None, limit: int | None = None,
+                    bad: BadRecords | None = None) -> PromptSet:
+    """The first `limit` usable prompts of a set; `renderer` (a ChatRenderer) renders
+    conversations. A bad line goes to `bad` (None: InputFileError)."""
     path = prompt_set_path(spec, workdir)
     name = spec if spec in (EVAL_SET, *BUILTIN_SETS) else path.stem
     out = PromptSet(name, [])
-    for n, rec in enumerate(read_jsonl(path), start=1):
+    skipped = 0
+    for n, rec, problem in _lines(path):
         if limit is not None and len(out.prompts) >= limit:
             break
-        out.prompts.append(_prompt_ids(rec, renderer, f"{path}:{n}"))
+        if problem is None:
+            try:
+                ids = _prompt_ids(rec, renderer, f"{path}:{n}")
+                problem = None if ids else f"empty prompt: {path}:{n} has no prompt token"
+            except PromptError as e:
+                problem = f"no prompt: {e}"
+            except (KeyError, TypeError, ValueError) as e:  # a turn the template cannot render
+                problem = f"no prompt: {path}:{n}: cannot render it ({e!r})"
+        if problem is not None:
+            if bad is None:
+                raise InputFileError(f"{path}:{n}", problem)
+            bad.add(f"{name}:{n}", problem, path)
+            skipped += 1
+            continue
+        out.prompts.append(ids)
         out.ids.append(str(rec.get("id", f"{name}/{n}")))
     if not out.prompts:
-        raise PromptError(f"{path} holds no prompts")
+        raise InputFileError(path, f"holds no usable prompt ({skipped} bad lines skipped"
+                             f"{f': see {bad.path}' if skipped else ''}); fix the file or "
+                             "leave it out of --prompt-sets")
     return out
+
+
+def _lines(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(line number, record, problem) of each non-blank line; a problem names what is wrong."""
+    with Path(path).open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                torn = not raw.endswith(b"\n")
+                yield n, None, (f"torn line: {path}:{n} ends without a newline mid-record"
+                                if torn else f"bad JSON: {path}:{n}: {e}")
+                continue
+            if not isinstance(rec, dict):
+                yield n, None, f"bad JSON: {path}:{n} is a {type(rec).__name__}, not an object"
+                continue
+            yield n, rec, None
 
 
 def _prompt_ids(rec: dict, renderer, where: str) -> list[int]:
     if "input_ids" in rec:
-        n = rec.get("n_prompt_tokens")
+        n, ids = rec.get("n_prompt_tokens"), rec["input_ids"]
         if not n:
             raise PromptError(f"{where}: tokenized record without n_prompt_tokens")
-        return list(rec["input_ids"][:n])
+        if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids[:n]):
+            raise PromptError(f"{where}: input_ids must be a list of token ids")
+        return list(ids[:n])
     if "messages" in rec:
         if renderer is None:
             raise PromptError(f"{where}: conversation records need the target's tokenizer "
                               "(pass --target)")
         messages = rec["messages"]
-        if messages and messages[-1]["role"] == "assistant":
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m for m in messages):
+            raise PromptError(f"{where}: messages must be a list of {{role, content}} turns")
+        if not messages:
+            raise PromptError(f"{where}: empty messages")
+        if messages[-1]["role"] == "assistant":
             messages = split_for_generation(messages)[0]
         return renderer.prompt_ids(messages, rec.get("tools"))
     raise PromptError(f"{where}: a prompt record needs input_ids + n_prompt_tokens or messages")

@@ -7,6 +7,10 @@ counters (1 + accepted / drafts) with the tokens per verify round counted from t
 per-position acceptance and the loop share beside it. Offline (hf) results: per prompt set,
 one row per chain length (acceptance length, loop share, loop-free acceptance, ...) and a plot
 of the acceptance length against the chain length.
+
+A run with faults says so: the prompt-set lines skipped (skipped.jsonl), the requests that failed
+for good per level (failed_requests.jsonl; in no figure), a level whose acceptance could not be
+read ("-", with the reason), and a run stopped by a signal is titled PARTIAL.
 """
 
 from __future__ import annotations
@@ -52,7 +56,20 @@ def report_markdown(results: dict) -> str:
 
 
 def _header(results: dict, title: str) -> list[str]:
-    lines = [f"# {title}", "", f"- draft: `{results.get('draft')}`"]
+    lines = [f"# {title}", ""]
+    if results.get("partial"):
+        lines += [f"**PARTIAL: stopped by {results.get('stopped_by')}; only the levels finished "
+                  "before it are shown. Re-run the same command for a full run.**", ""]
+        only = results.get("baseline_only") or {}
+        lines += [f"- measured on the baseline only: {name} c={', '.join(levels)}"
+                  for name, levels in only.items()]
+    lines.append(f"- draft: `{results.get('draft')}`")
+    if results.get("skipped"):
+        lines.append(f"- prompt-set lines skipped: {results['skipped']} "
+                     f"({results.get('skip_reasons')}; `{results.get('skip_list')}`)")
+    if results.get("failed_requests"):
+        lines.append(f"- requests failed for good (left out of every figure): "
+                     f"{results['failed_requests']} (`{results.get('failed_requests_file')}`)")
     if results.get("layers"):
         lines.append(f"- layers: {results['layers']}")
     for p in results.get("preflight", []):
@@ -82,7 +99,7 @@ def _sglang_markdown(results: dict) -> str:
                 f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
                 f"{_f(s['per_request_tok_s'], '.1f')} | {_f(b.get('per_request_tok_s'), '.1f')} | "
                 f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)} |")
-        lines.append("")
+        lines += _fault_notes(levels) + [""]
     lines += [MEASURED, ""]
     return "\n".join(lines)
 
@@ -116,9 +133,23 @@ def _vllm_markdown(results: dict) -> str:
                 f"{_f(s.get('loop_share'), '.2f')} | {_speedup(row['speedup'])} | "
                 f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
                 f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)} |")
-        lines.append("")
+        lines += _fault_notes(levels) + [""]
     lines += [MEASURED_VLLM, ""]
     return "\n".join(lines)
+
+
+def _fault_notes(levels: dict) -> list[str]:
+    """Lines under a table: requests that failed for good, acceptance that could not be read."""
+    notes = []
+    for c, row in levels.items():
+        for role in ("baseline", "speculative"):
+            s = row.get(role) or {}
+            if s.get("failed_requests"):
+                notes.append(f"- c={c} {role}: {s['failed_requests']} requests FAILED, left out "
+                             "of every figure (failed_requests.jsonl)")
+            if s.get("metrics_error"):
+                notes.append(f"- c={c} {role}: acceptance not read: {s['metrics_error']}")
+    return [""] + notes if notes else []
 
 
 def _offline_markdown(results: dict) -> str:
@@ -175,12 +206,21 @@ def summary_rows(results: dict) -> tuple[dict, dict, bool]:
         ok &= not results.get("lossless_mismatches")  # vLLM: speculative == plain at T=0
         for c, row in r.items():
             acc = row["speculative"]["acceptance_length"]
-            outputs[f"{name} c={c}"] = acc or 0.0
+            outputs[f"{name} c={c}"] = acc
             slower = " (SLOWER than no draft)" if (row["speedup"] or 0) < 1 else ""
             loops = row["speculative"].get("loop_share")
-            rows[f"{name} c={c}"] = (f"acceptance {acc or 0:.3f} (loop share "
+            failed = sum((row.get(role) or {}).get("failed_requests", 0)
+                         for role in ("baseline", "speculative"))
+            rows[f"{name} c={c}"] = (f"acceptance {_f(acc, '.3f')} (loop share "
                                      f"{_f(loops, '.0%')}), speedup "
-                                     f"{row['speedup'] or 0:.2f}x{slower}")
+                                     f"{row['speedup'] or 0:.2f}x{slower}"
+                                     + (f", {failed} requests FAILED" if failed else ""))
+    if results.get("failed_requests"):  # figures over the good requests only: look first
+        ok = False
+        rows["failed requests"] = (f"{results['failed_requests']} (left out of every figure; "
+                                   f"{results.get('failed_requests_file')})")
+    if results.get("skipped"):
+        rows["skipped prompt lines"] = f"{results['skipped']} ({results.get('skip_list')})"
     return outputs, rows, ok
 
 
@@ -206,18 +246,27 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
                    None)]
         for key, label, fname, ref in panels:
             fig, ax = plt.subplots(figsize=(6, 4))
+            plotted = False
             for name, levels in results["prompt_sets"].items():
                 xs = [int(c) for c in levels]
                 ys = [levels[c]["speedup"] if key == "speedup"
                       else levels[c]["speculative"]["acceptance_length"] for c in levels]
+                if all(y is None for y in ys):  # every request failed, or no counters
+                    continue
                 ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o",
                         label=name)
+                plotted = True
             if ref is not None:
                 ax.axhline(ref, color="gray", linestyle="--", linewidth=1)
-            ax.set_xscale("log", base=2)
+            if plotted:
+                ax.set_xscale("log", base=2)
+            else:
+                ax.text(0.5, 0.5, "no level measured (see report.md)", ha="center",
+                        transform=ax.transAxes)
             ax.set(xlabel="concurrency (requests in flight)", ylabel=label,
                    title=f"{label} vs concurrency")
-            ax.legend()
+            if plotted:
+                ax.legend()
             paths.append(_save(fig, out_dir / fname))
     else:
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 
 from eagle3.bench.config import BenchmarkConfig, DraftCheck
+from eagle3.bench.faults import raise_for_status
 from eagle3.bench.measure import (
     ROLES,
     LoadSettings,
@@ -37,7 +38,7 @@ from eagle3.bench.prompts import PromptSet
 from eagle3.core.launcher import sglang_command
 from eagle3.core.preflight import PreflightError, raise_on_errors
 from eagle3.core.progress import format_summary
-from eagle3.core.server import ServerError, get_server_info
+from eagle3.core.server import TransientError, get_server_info
 from eagle3.core.stage import STAGE_DIRS
 from eagle3.draft.check import check_draft_for_run, read_draft_config
 
@@ -79,19 +80,20 @@ def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
 
 
 def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_dir: Path,
-            renderer, check: DraftCheck) -> dict:
+            renderer, check: DraftCheck, stop=None) -> dict:
     """Baseline, then speculative: each attached or launched, checked, then measured.
 
     "preflight" in the answer: the servers' warnings, for results.json."""
 
-    def measure_role(role: str, load: LoadSettings, sink, bar) -> tuple[dict, dict]:
+    def measure_role(role: str, load: LoadSettings, sinks: dict, bar) -> tuple[dict, dict]:
         with _server(cfg, role, draft_dir, stage_dir) as (url, _):
             info = asyncio.run(_server_infos({role: url}))[role]
             server = _check_server(role, info, url, cfg, draft_dir)
             load.incremental_stream = bool(info.get("incremental_streaming_output"))
-            return server, measure_server(url, role, sets, cfg.concurrency, load, sink, bar=bar)
+            return server, measure_server(url, role, sets, cfg.concurrency, load, bar=bar,
+                                          **sinks)
 
-    measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role)
+    measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role, stop)
     pair = check_server_pair(*(servers[r].pop("info") for r in ROLES))
     raise_on_errors(pair, "servers")
     notes = [n for role in ROLES for n in servers[role].pop("preflight")]
@@ -102,10 +104,10 @@ def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_
 
 def measure_server(base_url: str, role: str, prompt_sets: list[PromptSet],
                    concurrencies: list[int], load: LoadSettings, sink=None,
-                   warmup_tokens: int = 16, bar=None) -> dict:
+                   warmup_tokens: int = 16, bar=None, failed_sink=None, stop=None) -> dict:
     """{prompt set: {concurrency: summary}} of one SGLang server (eagle3/bench/measure.py)."""
     return measure_levels(base_url, role, prompt_sets, concurrencies, load, send_request, sink,
-                          bar, warmup_tokens)
+                          bar, warmup_tokens, failed_sink=failed_sink, stop=stop)
 
 
 async def _server_infos(urls: dict) -> dict:
@@ -174,7 +176,7 @@ async def _read_stream(resp, incremental: bool, t0: float) -> tuple[list[int], d
             if incremental or last_raw is None or b'"error"' in data[:20]:
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise ServerError(f"streamed error: {chunk['error']}")
+                    raise TransientError(f"streamed error: {chunk['error']}")
                 meta = chunk.get("meta_info", {})
                 ids = merge_stream_ids(ids, chunk.get("output_ids") or [],
                                        meta.get("completion_tokens"))
@@ -188,22 +190,22 @@ async def _read_stream(resp, incremental: bool, t0: float) -> tuple[list[int], d
 
 async def send_request(session: aiohttp.ClientSession, base_url: str, input_ids: list[int],
                        rid: str, load: LoadSettings) -> tuple[list[int], dict, float | None, float]:
-    """One `/generate` request: (output ids, meta_info, TTFT s, latency s). Not retried: a
-    retry would hide in the timings."""
+    """One attempt of a `/generate` request: (output ids, meta_info, TTFT s, latency s).
+    Raises TransientError (retried by eagle3/bench/faults.py: 5xx, 429, timeout, dropped
+    connection, unparsable answer) or ServerError (other HTTP errors: not retried)."""
     payload = {"input_ids": input_ids, "rid": rid, "sampling_params": load.sampling_params,
                "stream": load.stream}
     t0 = time.perf_counter()
     try:
         async with session.post(base_url.rstrip("/") + "/generate", json=payload,
                                 timeout=aiohttp.ClientTimeout(total=load.timeout_s)) as resp:
-            if resp.status != 200:
-                raise ServerError(f"{base_url}: HTTP {resp.status} for request {rid}: "
-                                  f"{(await resp.text())[:300]}")
+            await raise_for_status(resp, base_url, rid)
             if load.stream:
                 ids, meta, ttft = await _read_stream(resp, load.incremental_stream, t0)
             else:
                 body = await resp.json(content_type=None)
                 ids, meta, ttft = body.get("output_ids") or [], body.get("meta_info", {}), None
-    except (aiohttp.ClientError, TimeoutError) as e:
-        raise ServerError(f"{base_url}: request {rid} failed: {e!r}") from e
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
+        raise TransientError(f"{base_url}: request {rid} failed: {e!r}") from e
     return ids, meta, ttft, time.perf_counter() - t0
+

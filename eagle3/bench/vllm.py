@@ -16,6 +16,10 @@ own requests count):
   request) / drafts, counted from the outputs: it equals the acceptance length unless a round
   is cut by `max_tokens` or the end of turn (vLLM counts the drafts accepted there, the output
   drops them) or a step verifies no draft.
+
+A `/metrics` read that fails (HTTP error, garbage, counters gone backwards after a restart) is
+retried like a request, then the level's acceptance figures are None with the reason in
+`metrics_error`: never a figure computed from counters that cannot be trusted.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from eagle3.bench.config import BenchmarkConfig, DraftCheck
+from eagle3.bench.faults import RequestFailed, raise_for_status, with_retries
 from eagle3.bench.measure import (
     LoadSettings,
     RequestRecord,
@@ -44,7 +49,7 @@ from eagle3.bench.measure import (
 from eagle3.bench.prompts import PromptSet
 from eagle3.core.preflight import PreflightError
 from eagle3.core.progress import format_summary
-from eagle3.core.server import ServerError, get_json
+from eagle3.core.server import TransientError, get_json
 from eagle3.draft.check_vllm import check_vllm_draft, default_vllm_draft
 
 log = logging.getLogger(__name__)
@@ -127,16 +132,32 @@ def parse_spec_metrics(text: str) -> SpecCounters:
     return c
 
 
-async def fetch_spec_counters(session: aiohttp.ClientSession, url: str) -> SpecCounters:
-    async with session.get(url.rstrip("/") + "/metrics",
-                           timeout=aiohttp.ClientTimeout(total=30)) as resp:
-        if resp.status != 200:
-            raise ServerError(f"{url}/metrics: HTTP {resp.status}")
-        return parse_spec_metrics(await resp.text())
+async def fetch_spec_counters(session: aiohttp.ClientSession, url: str,
+                              timeout_s: float = 30.0) -> SpecCounters:
+    """One read of `/metrics`; TransientError when it fails or does not parse."""
+    try:
+        async with session.get(url.rstrip("/") + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                raise TransientError(f"{url}/metrics: HTTP {resp.status}")
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise TransientError(f"{url}/metrics: {e!r}") from e
+    try:
+        return parse_spec_metrics(text)
+    except (ValueError, KeyError) as e:  # not a Prometheus exposition
+        raise TransientError(f"{url}/metrics: not Prometheus text ({e}): {text[:80]!r}") from e
 
 
-def acceptance_figures(delta: SpecCounters, records) -> dict:
-    """The acceptance figures of one level from its counter deltas and its own requests."""
+def acceptance_figures(delta: SpecCounters | None, records, error: str | None = None) -> dict:
+    """The acceptance figures of one level from its counter deltas and its own requests; all
+    None (with `metrics_error`) when the counters could not be read or went backwards."""
+    if delta is not None and min([delta.drafts, delta.accepted, *delta.accepted_per_pos]) < 0:
+        delta, error = None, "the spec-decode counters went backwards (a server restart?)"
+    if delta is None:
+        return {"acceptance_length": None, "tokens_per_round": None, "drafts": None,
+                "draft_tokens": None, "accepted_tokens": None, "per_position_acceptance": [],
+                "metrics_error": error}
     committed = sum(r.completion_tokens - 1 for r in records if r.completion_tokens > 0)
     drafts = delta.drafts
     return {
@@ -155,6 +176,7 @@ def completion_sender(model: str):
     Returns (output ids, {"completion_tokens", "prompt_tokens"}, TTFT s, latency s)."""
 
     async def send(session, base_url, input_ids, rid, load: LoadSettings):
+        """One attempt; TransientError for what is worth retrying (eagle3/bench/faults.py)."""
         sp = load.sampling_params
         payload = {"model": model, "prompt": input_ids, "max_tokens": sp["max_new_tokens"],
                    "temperature": sp["temperature"], "stream": load.stream,
@@ -166,26 +188,27 @@ def completion_sender(model: str):
             async with session.post(base_url.rstrip("/") + "/v1/completions", json=payload,
                                     headers={"X-Request-Id": rid},
                                     timeout=aiohttp.ClientTimeout(total=load.timeout_s)) as resp:
-                if resp.status != 200:
-                    raise ServerError(f"{base_url}: HTTP {resp.status} for request {rid}: "
-                                      f"{(await resp.text())[:300]}")
+                await raise_for_status(resp, base_url, rid)
                 if load.stream:
-                    ids, usage, ttft = await _read_sse(resp, t0)
+                    ids, usage, ttft, finish = await _read_sse(resp, t0)
                 else:
                     body = await resp.json(content_type=None)
-                    ids, usage, ttft = body["choices"][0].get("token_ids") or [], body.get(
-                        "usage") or {}, None
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise ServerError(f"{base_url}: request {rid} failed: {e!r}") from e
+                    choice = (body.get("choices") or [{}])[0]
+                    ids, usage, ttft = choice.get("token_ids") or [], body.get("usage") or {}, None
+                    finish = choice.get("finish_reason")
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
+            raise TransientError(f"{base_url}: request {rid} failed: {e!r}") from e
         meta = {"completion_tokens": usage.get("completion_tokens", len(ids)),
-                "prompt_tokens": usage.get("prompt_tokens", len(input_ids))}
+                "prompt_tokens": usage.get("prompt_tokens", len(input_ids)),
+                "finish_reason": finish}
         return ids, meta, ttft, time.perf_counter() - t0
 
     return send
 
 
-async def _read_sse(resp, t0: float) -> tuple[list[int], dict, float | None]:
-    buf, ids, usage, first_at = b"", [], {}, None
+async def _read_sse(resp, t0: float) -> tuple[list[int], dict, float | None, str | None]:
+    """(output ids, usage, TTFT, finish reason) of a streamed completion."""
+    buf, ids, usage, first_at, finish = b"", [], {}, None, None
     async for piece in resp.content.iter_any():
         buf += piece
         *events, buf = buf.split(b"\n\n")
@@ -195,14 +218,15 @@ async def _read_sse(resp, t0: float) -> tuple[list[int], dict, float | None]:
                 continue
             chunk = json.loads(data)
             if "error" in chunk:
-                raise ServerError(f"streamed error: {chunk['error']}")
+                raise TransientError(f"streamed error: {chunk['error']}")
             for choice in chunk.get("choices") or []:
+                finish = choice.get("finish_reason") or finish
                 new = choice.get("token_ids") or []
                 if new and first_at is None:
                     first_at = time.perf_counter() - t0
                 ids += new
             usage = chunk.get("usage") or usage
-    return ids, usage, first_at
+    return ids, usage, first_at, finish
 
 
 # ---------------------------------------------------------------- measuring
@@ -229,12 +253,12 @@ def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
 
 
 def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_dir: Path,
-            renderer, check: DraftCheck) -> dict:
+            renderer, check: DraftCheck, stop=None) -> dict:
     """Plain, then speculative: each attached or launched, then measured; the results dict
     (its "preflight": problems found while measuring). The speculative server's logged layers
     are checked against `check.captures`, the layers 02b dumped."""
 
-    def measure_role(role: str, load: LoadSettings, sink, bar) -> tuple[dict, dict]:
+    def measure_role(role: str, load: LoadSettings, sinks: dict, bar) -> tuple[dict, dict]:
         with vllm_server(cfg, role, draft_dir, stage_dir) as (url, log_path):
             model = asyncio.run(_served_model(url))
             spec = role == "speculative"
@@ -242,9 +266,9 @@ def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_
                       "layers": check_logged_layers(log_path, check.captures) if spec else None,
                       "speculative": f"eagle3, {cfg.steps[0]} draft tokens" if spec else None}
             return server, measure_vllm_server(url, role, sets, cfg.concurrency, load, model,
-                                               sink, bar)
+                                               bar=bar, **sinks)
 
-    measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role)
+    measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role, stop)
     notes = []
     mismatches = lossless_mismatches(measured["baseline"], measured["speculative"]) \
         if cfg.temperature == 0 else None
@@ -264,37 +288,61 @@ def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_
 
 
 class SpecProbe:
-    """The acceptance figures of a level: vLLM's counters before and after it, and the
-    outputs by prompt (for the lossless check)."""
+    """The acceptance figures of a level: vLLM's counters before and after it (each read
+    retried per `load`), and the outputs by prompt (for the lossless check)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, load: LoadSettings | None = None):
         self.url = url
+        self.load = load or LoadSettings({}, timeout_s=30.0, retries=0)
 
-    async def before(self) -> SpecCounters:
+    async def read(self) -> SpecCounters | str:
+        """The counters, or why they could not be read."""
         async with aiohttp.ClientSession() as session:
-            return await fetch_spec_counters(session, self.url)
+            try:
+                counters, _ = await with_retries(
+                    lambda n: fetch_spec_counters(session, self.url, self.load.timeout_s),
+                    self.load.retries, self.load.retry_delay_s, f"{self.url}/metrics")
+                return counters
+            except RequestFailed as e:
+                log.error("%s: acceptance of this level left out", e)
+                return str(e)
 
-    async def after(self, before: SpecCounters, records: list[RequestRecord]) -> dict:
-        delta = (await self.before()).minus(before)
-        return {**acceptance_figures(delta, records),
-                "outputs": {r.prompt_index: r.output_ids for r in records}}
+    async def before(self) -> SpecCounters | str:
+        return await self.read()
+
+    async def after(self, before: SpecCounters | str, records: list[RequestRecord],
+                    failed: int = 0) -> dict:
+        now = await self.read()
+        error = next((x for x in (before, now) if isinstance(x, str)), None)
+        delta = None if error else now.minus(before)
+        figures = acceptance_figures(delta, records, error)
+        retried = sum(1 for r in records if r.attempts > 1)
+        if (failed or retried) and figures["acceptance_length"] is not None:
+            # The counters are the server's: they hold the rounds of every failed attempt too.
+            figures["acceptance_length_with_failed_attempts"] = figures["acceptance_length"]
+            figures.update(acceptance_length=None, tokens_per_round=None,
+                           metrics_error=f"{failed} failed and {retried} retried requests: the "
+                                         "counters include rounds of answers not measured")
+        return {**figures, "outputs": {r.prompt_index: r.output_ids for r in records}}
 
 
 def measure_vllm_server(url: str, role: str, prompt_sets, concurrencies: list[int],
                         load: LoadSettings, model: str, sink=None, bar=None,
-                        warmup_tokens: int = 16) -> dict:
+                        warmup_tokens: int = 16, failed_sink=None, stop=None) -> dict:
     """{prompt set: {concurrency: summary + acceptance figures}} of one vLLM server."""
     return measure_levels(url, role, prompt_sets, concurrencies, load, completion_sender(model),
-                          sink, bar, warmup_tokens, SpecProbe(url))
+                          sink, bar, warmup_tokens, SpecProbe(url, load),
+                          failed_sink=failed_sink, stop=stop)
 
 
 def lossless_mismatches(baseline: dict, speculative: dict) -> int:
-    """Prompts (per set and level) whose speculative output differs from the plain one."""
+    """Prompts (per set and level) whose speculative output differs from the plain one; a
+    prompt whose request failed on either server is not compared."""
     bad = 0
     for name, levels in speculative.items():
         for c, spec in levels.items():
             base = baseline[name][c]["outputs"]
-            bad += sum(1 for p, ids in spec["outputs"].items() if base.get(p) != ids)
+            bad += sum(1 for p, ids in spec["outputs"].items() if p in base and base[p] != ids)
     return bad
 
 

@@ -1,0 +1,177 @@
+"""Stage 05's faults: a server that errs, hangs, cuts its answer or miscounts it, and a stop.
+
+- `send_with_retries`: one benchmark request, each attempt bounded by `--request-timeout-s`,
+  retried `--retries` times with exponential backoff (jittered) on HTTP 5xx / 429, a timeout, a
+  dropped connection or a bad answer; then `RequestFailed`. The figures of a retried request
+  are those of its successful attempt (its record says how many attempts it took).
+- `check_answer`: an answer is bad (`BadAnswer`, retried) when its `completion_tokens`
+  disagrees with the ids it carried, when it holds fewer tokens than asked without a finish
+  reason (a stream cut half-way), or when the server aborted it. A bad answer never counts in
+  tokens/s or acceptance.
+- `FailedRequest`: what 05 keeps of a request that failed for good: one line of
+  `05_benchmark/failed_requests.jsonl`, counted per level in results.json and the summary.
+- `PartialRun`: a SIGTERM / SIGINT mid-benchmark, carrying what was measured before it; the
+  stage writes it as a partial results.json (never a complete stage) and exits 128 + signal.
+- `BenchmarkError`: a server or preflight failure as a `StageError` (one stderr line, exit 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from eagle3.core.faults import Interrupted, StopSignals
+from eagle3.core.preflight import PreflightError
+from eagle3.core.server import RETRY_STATUS, ServerError, TransientError
+from eagle3.core.stage import StageError
+
+log = logging.getLogger(__name__)
+
+FAILED_FILE = "failed_requests.jsonl"  # in 05_benchmark/: one line per request failed for good
+RESUME = ("results.json holds what was measured before the stop, marked partial; re-run the "
+          "same command to measure afresh")
+
+
+class BenchmarkError(StageError):
+    """A server that could not be started, reached or used: names it and the fix."""
+
+
+class BenchmarkRefused(BenchmarkError, PreflightError):
+    """A preflight refusal (the draft, a server's flags) as a stage error: still a
+    PreflightError for the callers that look for one."""
+
+
+class BadAnswer(TransientError):
+    """An answer that cannot be measured as it came (cut, miscounted, aborted)."""
+
+
+class RequestFailed(ServerError):
+    """A request that failed every attempt; the message is the last attempt's error."""
+
+    def __init__(self, message: str, attempts: int):
+        super().__init__(message)
+        self.attempts = attempts
+
+
+class PartialRun(Interrupted):
+    """Stopped by a signal; `partial` holds the results measured before it."""
+
+    def __init__(self, signum: int, partial: dict):
+        super().__init__(signum, RESUME)
+        self.partial = partial
+
+
+@dataclass
+class FailedRequest:
+    """A request that failed for good: not measured, listed in failed_requests.jsonl."""
+
+    prompt_index: int
+    rid: str
+    attempts: int  # 0: not sent (the level was given up after failures in a row)
+    reason: str
+
+
+def finish_type(meta: dict) -> str | None:
+    """The finish reason of an answer's meta: SGLang's {"type": ...} or vLLM's string."""
+    finish = meta.get("finish_reason")
+    return finish.get("type") if isinstance(finish, dict) else finish
+
+
+def check_answer(ids: list[int], meta: dict, max_new_tokens: int, what: str) -> None:
+    """Raise BadAnswer for an answer whose token count cannot be trusted."""
+    counted = meta.get("completion_tokens")
+    if counted is not None and int(counted) != len(ids):
+        raise BadAnswer(f"{what}: completion_tokens {counted} but {len(ids)} token ids in the "
+                        "answer")
+    finish = finish_type(meta)
+    if finish == "abort":
+        raise BadAnswer(f"{what}: aborted by the server ({meta.get('finish_reason')})")
+    if finish is None and len(ids) < max_new_tokens:
+        raise BadAnswer(f"{what}: {len(ids)} of {max_new_tokens} tokens and no finish reason: "
+                        "the answer was cut")
+
+
+async def raise_for_status(resp, base_url: str, rid: str) -> None:
+    """TransientError for HTTP 5xx / 429 (retried), ServerError for any other non-200."""
+    if resp.status == 200:
+        return
+    error = TransientError if resp.status in RETRY_STATUS else ServerError
+    raise error(f"{base_url}: HTTP {resp.status} for request {rid}: "
+                f"{(await resp.text())[:300]}")
+
+
+def is_retryable(e: BaseException) -> bool:
+    """HTTP 5xx / 429, timeouts, dropped connections and bad answers; not other 4xx."""
+    return isinstance(e, (TransientError, asyncio.TimeoutError))
+
+
+async def with_retries(attempt: Callable[[int], Awaitable[Any]], retries: int, delay_s: float,
+                       what: str) -> tuple[Any, int]:
+    """(answer, attempts) of `attempt(n)` (n = 0, 1, ...), retried `retries` times with
+    exponential backoff from `delay_s` (x0.5-1.5 jitter) on a retryable error; then
+    RequestFailed naming `what` and the last error."""
+    last: BaseException | None = None
+    for n in range(retries + 1):
+        if n:
+            await asyncio.sleep(delay_s * 2 ** (n - 1) * (0.5 + random.random()))
+        try:
+            return await attempt(n), n + 1
+        except (ServerError, asyncio.TimeoutError) as e:
+            last = e
+            log.debug("%s: attempt %d failed: %s", what, n + 1, e)
+            if not is_retryable(e):
+                raise RequestFailed(f"{what}: failed (not retried): {e}", n + 1) from e
+    raise RequestFailed(f"{what}: failed after {retries + 1} attempts: {last}", retries + 1)
+
+
+class FailureStreak:
+    """Requests failed in a row on one level; past `limit` the level sends no more (a server
+    that fails everything would otherwise cost every request its full retries)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+
+    def record(self, ok: bool) -> None:
+        self.count = 0 if ok else self.count + 1
+
+    @property
+    def broken(self) -> bool:
+        return self.count >= self.limit
+
+    def reason(self) -> str:
+        return f"not sent: {self.count} requests in a row failed on this server"
+
+
+class BenchStop(StopSignals):
+    """05's StopSignals: while `polled` (a level's requests, an offline prompt loop) the flag
+    is checked at the next request or prompt; otherwise a signal raises Interrupted at once,
+    since a server start may wait up to --ready-timeout-s."""
+
+    polled = False
+
+    def _handle(self, signum, frame) -> None:
+        super()._handle(signum, frame)
+        if not self.polled:
+            self.check()
+
+
+async def watch_for_stop(work: asyncio.Future, stop: StopSignals | None) -> Any:
+    """Await `work`, polling `stop` (None: not watched); on a stop, abandon it (cancel the
+    requests in flight) and raise Interrupted."""
+    if stop is None:
+        return await work
+    polled, stop.polled = getattr(stop, "polled", True), True
+    try:
+        while not work.done():
+            await asyncio.wait({work}, timeout=0.2)
+            if stop.requested and not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        stop.check()
+        return work.result()
+    finally:
+        stop.polled = polled
