@@ -92,13 +92,15 @@ def quantize_blocks(w_NK: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.
     return torch.clamp(q, -FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3).contiguous(), scale
 
 
-def dequantize(q_MK: torch.Tensor, scale: torch.Tensor, tile: int) -> torch.Tensor:
-    """fp32 `q * scale` with `scale` per row, per 1 x tile tile or per tile x tile block."""
+def dequantize(q_MK: torch.Tensor, scale: torch.Tensor, tile: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`q * scale` in `dtype` with `scale` per row, per 1 x tile tile or per tile x tile block
+    (float64: exact)."""
     M, K = q_MK.shape
     rows = 1 if scale.shape[0] == M else tile
     cols = K if scale.shape[1] == 1 else tile
-    full = scale.repeat_interleave(rows, 0)[:M].repeat_interleave(cols, 1)[:, :K]
-    return q_MK.float() * full
+    full = scale.to(dtype).repeat_interleave(rows, 0)[:M].repeat_interleave(cols, 1)[:, :K]
+    return q_MK.to(dtype) * full
 
 
 def _is_block(scale: torch.Tensor, q: torch.Tensor) -> bool:
@@ -151,3 +153,15 @@ def block_kernel_error(device: torch.device) -> str | None:
     except (RuntimeError, ValueError, NotImplementedError) as e:
         return f"torch._scaled_mm refuses 1x128/128x128 scales: {str(e).splitlines()[0]}"
     return None
+
+
+def simulate_gemm(a_MK: torch.Tensor, b_NK: torch.Tensor, recipe: Fp8Recipe, b_is_weight: bool,
+                  a_is_grad: bool) -> torch.Tensor:
+    """float64 `a @ b^T` from both operands rounded as `recipe` rounds them (tests and the
+    benchmark's one-layer check): `a` a gradient (the recipe's gradient type) or not, `b` a
+    weight (blocks) or an activation (tiles)."""
+    tile = recipe.tile
+    qa, sa = quantize(a_MK, tile, recipe.grad_dtype if a_is_grad else E4M3)
+    qb, sb = quantize_blocks(b_NK, tile) if b_is_weight and tile else quantize(b_NK, tile)
+    return (dequantize(qa, sa, tile, torch.float64)
+            @ dequantize(qb, sb, tile, torch.float64).t())
