@@ -12,7 +12,7 @@ For every trained parameter `p`, with `err(g) = 1 - cos(g_p, ref_p)` (float64 co
 - `max_ratio` 1 by default: the FP8 step may move no gradient further than that perturbation.
 
 A parameter whose reference gradient is zero is not judged; one the FP8 step leaves without a
-gradient (or all zeros) fails. `ratio` is `err(fp8) / err(floor)`: 25 says the FP8 step moves that
+gradient (or all zeros) fails (its error is infinite). `ratio` is `err(fp8) / err(floor)`: 25 says the FP8 step moves that
 gradient 25 times as far (in 1 - cos) as the 1% perturbation. `1 - cos` grows as the square of
 the relative error, so a ratio of 25 is a 5x larger relative gradient error.
 
@@ -38,7 +38,7 @@ class GradientVerdict:
     """The criterion's outcome, parameter by parameter (the module doc)."""
 
     passed: bool
-    error: dict[str, float]  # 1 - cos(candidate, ref)
+    error: dict[str, float]  # 1 - cos(candidate, ref); inf: no gradient
     floor: dict[str, float]  # 1 - cos(floor, ref)
     ratio: dict[str, float]  # error / floor
     failing: list[str] = field(default_factory=list)  # over max_ratio, or no gradient
@@ -54,24 +54,33 @@ class GradientVerdict:
                 "error": self.error, "floor": self.floor, "ratio": self.ratio}
 
 
+def grad_errors(grads: dict, ref: dict) -> dict[str, float]:
+    """`{name: 1 - cos(grads[name], ref[name])}` over the parameters whose reference gradient is
+    not zero; infinite where `grads` has none (or all zeros). A step's errors can be taken as
+    soon as its gradients exist and the gradients dropped (a Kimi-size draft's are 4.8 GB)."""
+    out = {}
+    for name, r in ref.items():
+        if r is None or not bool(r.ne(0).any()):
+            continue
+        got = grads.get(name)
+        missing = got is None or not bool(got.ne(0).any())
+        out[name] = float("inf") if missing else grad_error(got, r)
+    return out
+
+
+def judge(error: dict, floor: dict, max_ratio: float = 1.0) -> GradientVerdict:
+    """The criterion on the errors of the candidate step and of the floor (grad_errors)."""
+    ratio, failing = {}, []
+    for name, e in error.items():
+        # a floor of 0 (a gradient the perturbation leaves as it was) passes only an error of 0
+        ratio[name] = e / floor[name] if floor[name] > 0 else (0.0 if e <= 0 else float("inf"))
+        if ratio[name] > max_ratio:
+            failing.append(name)
+    return GradientVerdict(not failing, error, dict(floor), ratio, failing, max_ratio)
+
+
 def judge_gradients(candidate: dict, floor: dict, ref: dict,
                     max_ratio: float = 1.0) -> GradientVerdict:
     """The criterion on three `{parameter name: gradient or None}` maps: `candidate` (the FP8
     step), `floor` (the plain step on perturbed inputs) and `ref` (the reference step)."""
-    error, floors, ratio, failing = {}, {}, {}, []
-    for name, r in ref.items():
-        if r is None or not bool(r.ne(0).any()):
-            continue
-        got = candidate.get(name)
-        floors[name] = grad_error(floor[name], r)
-        if got is None or not bool(got.ne(0).any()):
-            error[name], ratio[name] = 1.0, float("inf")
-            failing.append(name)
-            continue
-        error[name] = grad_error(got, r)
-        # a floor of exactly 0 (a gradient the perturbation leaves as it was) passes only 0
-        ratio[name] = error[name] / floors[name] if floors[name] > 0 else (
-            0.0 if error[name] <= 0 else float("inf"))
-        if ratio[name] > max_ratio:
-            failing.append(name)
-    return GradientVerdict(not failing, error, floors, ratio, failing, max_ratio)
+    return judge(grad_errors(candidate, ref), grad_errors(floor, ref), max_ratio)

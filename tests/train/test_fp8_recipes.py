@@ -146,6 +146,7 @@ def test_criterion_passes_gradients_closer_than_the_floor_and_names_the_rest():
     missing = judge_gradients({**close, "a": None}, floor, ref)
     zero = judge_gradients({**close, "a": torch.zeros(100)}, floor, ref)
     assert missing.failing == zero.failing == ["a"] and not missing.passed
+    assert missing.error["a"] == float("inf")
 
 
 def test_grad_error_is_one_minus_the_cosine_in_float64():
