@@ -205,3 +205,23 @@ def test_compiled_block_recipe_reads_the_cached_blocks_and_its_gradients_equal_e
     compiled = grads(torch.compile(mlp, backend="aot_eager"))
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, compiled))
     assert all(bool(g.ne(0).any()) for g in compiled)
+
+
+def test_kernel_scale_layouts_are_the_ones_scaled_mm_checks_for_deepseek_scaling():
+    """What aten's ScaledBlas.cpp (`is_blockwise_1x128_scaling`, `is_blockwise_128x128_scaling`)
+    asks of `torch._scaled_mm(a, b)` with b = qb.t(): a's 1x128 scale [M, K/128] strides (1, M);
+    a 128x128 scale [M/128, K/128] row-major; b's checked as `scale_b.t()` against b.t() = qb.
+    Only the CUDA kernel reads these; this pins the layouts where no Hopper GPU is."""
+    from eagle3.train.fp8_scaling import _kernel_scales
+
+    M, K, N = 384, 512, 256
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    qx, sx = quantize(x, 128)
+    qw, sw = quantize_blocks(w, 128)
+    sa, sb = _kernel_scales(qx, sx, qw, sw)  # forward: 1x128 activation, 128x128 weight
+    assert sa.shape == (M, 4) and sa.stride() == (1, M)
+    assert sb.t().shape == (2, 4) and sb.t().stride() == (4, 1)
+    qg, sg = quantize(torch.randn(N, K), 128)
+    sa, sb = _kernel_scales(qx, sx, qg, sg)  # weight gradient: 1x128 both
+    assert sb.t().shape == (N, 4) and sb.t().stride() == (1, N)
+    assert torch.equal(sa, sx) and torch.equal(sb.t(), sg)  # the same values, laid out anew
