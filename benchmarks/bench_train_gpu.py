@@ -19,14 +19,15 @@ Configurations (each runs on its own; a failure is recorded and the next one run
   curve         not in the default list: the loss of --curve-steps compiled steps on 4 fixed
                 learnable batches, fixed seed (run it under two code versions to compare)
 Suffixes, in any order after the name: `+fp8` trains with FP8 GEMMs (04's --fp8-gemm on:
-eagle3/train/fp8.py), `+fp8:<recipe>` with another FP8 recipe (eagle3/train/fp8_scaling.py:
-`block`, `block.e5m2`, `rowwise.w`, ...; `+fp8` is `+fp8:rowwise`); an FP8 row also checks its
-gradients against the criterion of eagle3/train/fp8_check.py (`grad_check`), `+perstep` runs the per-step TTT unroll (04's --ttt-unroll per-step; the
-default rows run 04's default, the shared unroll: eagle3/train/ttt.py), `+seed1` initialises the
-draft from seed 1 instead of 0 (for a curve: the seed-to-seed spread a code change's curve is set
-against), `@T` sets this row's tokens per micro-step (else --seq); e.g.
-`flex+compile+fp8@8192`, `flex+compile+fp8:block`, `curve+perstep`. MFU counts the FLOPs the row's unroll executes
-(eagle3/train/flops.py), so compare unrolls by tokens/s.
+eagle3/train/fp8.py), `+fp8:<recipe>` with another FP8 recipe (eagle3/train/fp8_scaling.py: `block`,
+`block.e5m2`, `rowwise.w`, ...; `+fp8` is `+fp8:rowwise`); an FP8 row also checks its gradients
+against the criterion of eagle3/train/fp8_check.py (`grad_check`), `+perstep` runs the per-step TTT
+unroll (04's --ttt-unroll per-step; the default rows run 04's default, the shared unroll:
+eagle3/train/ttt.py), `+seed1` initialises the draft from seed 1 instead of 0 (for a curve: the
+seed-to-seed spread a code change's curve is set against), `@T` sets this row's tokens per
+micro-step (else --seq); e.g. `flex+compile+fp8@8192`, `flex+compile+fp8:block`, `curve+perstep`.
+MFU counts the FLOPs the row's unroll executes (eagle3/train/flops.py), so compare unrolls by
+tokens/s.
 --profile adds, for flex / flex+compile, the kernel time of 2 profiled steps by category and the
 GEMMs' FLOP rate. Compiling costs ~45 s per row width and config (T = 4096, H200): budget
 ~90 s for a compiled row, and about 0.33 s per curve step on top.
@@ -568,6 +569,8 @@ def main(argv=None) -> int:
         results["gemm_bf16_tflops"] = gemm_tflops(device)
         results["gemm_fp8_rowwise_tflops"] = attempt(
             lambda: {"tflops": gemm_tflops(device, fp8=True)}, "fp8 GEMM").get("tflops")
+    for name in args.configs:
+        parse_row_name(name)  # a bad row name (an unknown FP8 recipe) fails before any row runs
     t0 = time.perf_counter()
     for name in args.configs:
         if time.perf_counter() - t0 > args.budget_s:
@@ -673,11 +676,13 @@ def attempt(fn, name: str) -> dict:
 def grad_check_lines(name: str, r: dict) -> list[str]:
     """The report's lines for one FP8 row's gradient check (grad_check)."""
     oc, crit = r["op_check"], r["criterion"]
+    kinds = (("fwd", "forward_rel_err"), ("grad in", "grad_input_rel_err"),
+             ("grad w", "grad_weight_rel_err"))
     errs = ", ".join(f"{label} {oc[k]:.1e}" if oc[k] is not None else f"{label} plain"
-                     for label, k in (("fwd", "forward_rel_err"), ("grad in", "grad_input_rel_err"),
-                                      ("grad w", "grad_weight_rel_err")))
+                     for label, k in kinds)
     lines = [f"{name}: criterion {'PASSED' if r['criterion_passed'] else 'FAILED'} "
-             f"(1 - cos vs the {r['reference']} step, over the plain step's with aux +-1%: max ratio "
+             f"(1 - cos vs the {r['reference']} step, over the plain step's with aux +-1%: "
+             f"max ratio "
              f"{r['grad_ratio_max']:.2f} at {r['grad_ratio_worst_param']}; the plain bf16 "
              f"step's own max ratio {r['bf16_step_ratio_max']:.2f}); max ratio against leaving 1% / 5% "
              f"of the tokens out {r['grad_ratio_max_vs_drop_1pct']:.2f} / "

@@ -1,4 +1,4 @@
-"""FP8 GEMMs for training the draft: the draft's linear layers in float8 with per-row or per-tile scales.
+"""FP8 GEMMs for training the draft: the draft's linear layers in float8 (per-row or tile scales).
 
 Each training-mode `nn.Linear` of the draft that `use_fp8_gemms` converts computes its three
 GEMMs (the forward `y = x W^T`, the input gradient `g W` and the weight gradient `g^T x`) with

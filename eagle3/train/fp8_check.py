@@ -12,9 +12,10 @@ For every trained parameter `p`, with `err(g) = 1 - cos(g_p, ref_p)` (float64 co
 - `max_ratio` 1 by default: the FP8 step may move no gradient further than that perturbation.
 
 A parameter whose reference gradient is zero is not judged; one the FP8 step leaves without a
-gradient (or all zeros) fails (its error is infinite). `ratio` is `err(fp8) / err(floor)`: 25 says the FP8 step moves that
-gradient 25 times as far (in 1 - cos) as the 1% perturbation. `1 - cos` grows as the square of
-the relative error, so a ratio of 25 is a 5x larger relative gradient error.
+gradient (or all zeros) fails (its error is infinite). `ratio` is `err(fp8) / err(floor)`: 25
+says the FP8 step moves that gradient 25 times as far (in 1 - cos) as the 1% perturbation.
+`1 - cos` grows as the square of the relative error, so a ratio of 25 is a 5x larger relative
+gradient error.
 
 Figures (BENCHMARKS.md, "Is FP8 sound?"): the plain bf16 step passes (largest ratio 0.46 on CPU at
 the `--mid` size); every FP8 recipe tried fails (per-row 47.9, 1x128 tiles with 128x128 weight

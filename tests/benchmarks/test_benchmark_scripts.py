@@ -99,7 +99,8 @@ def test_bench_train_gpu_fp8_rows_fail_the_gradient_criterion_that_the_plain_ste
     """The criterion of eagle3/train/fp8_check.py at toy size (float64 reference): e4m3 in all
     three GEMMs, per row or per 16-wide tile, moves some gradient over 10x as far (in 1 - cos)
     as the 1% aux perturbation (75x / 88x when written; the CPU --mid figures: BENCHMARKS.md),
-    the plain bf16 step (CPU autocast) stays inside it, and FP8 in the weight gradient alone still fails."""
+    the plain bf16 step (CPU autocast) stays inside it, and FP8 in the weight gradient alone still
+    fails."""
     _run(["benchmarks/bench_train_gpu.py", "--device", "cpu", "--tiny", "--steps", "1",
           "--warmup", "0", "--seq", "128", "--configs", "flex+fp8", "flex+fp8:block16",
           "flex+fp8:rowwise.w", "--out", str(tmp_path)], tmp_path)
