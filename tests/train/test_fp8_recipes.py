@@ -46,7 +46,7 @@ def grads_of(recipe: str, x, w, g):
     return y, xr.grad, wr.grad
 
 
-@pytest.mark.parametrize("recipe", ["block16", "block16.e5m2", "rowwise.e5m2"])
+@pytest.mark.parametrize("recipe", ["block16", "block16.e5m2", "rowwise.e5m2", "block"])
 def test_forward_and_both_gradients_equal_the_float64_simulation_of_the_recipe(recipe):
     x, w = operands()
     g = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
