@@ -19,12 +19,15 @@ Configurations (each runs on its own; a failure is recorded and the next one run
   curve         not in the default list: the loss of --curve-steps compiled steps on 4 fixed
                 learnable batches, fixed seed (run it under two code versions to compare)
 Suffixes, in any order after the name: `+fp8` trains with FP8 GEMMs (04's --fp8-gemm on:
-eagle3/train/fp8.py), `+perstep` runs the per-step TTT unroll (04's --ttt-unroll per-step; the
-default rows run 04's default, the shared unroll: eagle3/train/ttt.py), `+seed1` initialises the
-draft from seed 1 instead of 0 (for a curve: the seed-to-seed spread a code change's curve is set
-against), `@T` sets this row's tokens per micro-step (else --seq); e.g.
-`flex+compile+fp8@8192`, `curve+perstep`. MFU counts the FLOPs the row's unroll executes
-(eagle3/train/flops.py), so compare unrolls by tokens/s.
+eagle3/train/fp8.py), `+fp8:<recipe>` with another FP8 recipe (eagle3/train/fp8_scaling.py: `block`,
+`block.e5m2`, `rowwise.w`, ...; `+fp8` is `+fp8:rowwise`); an FP8 row also checks its gradients
+against the criterion of eagle3/train/fp8_check.py (`grad_check`), `+perstep` runs the per-step TTT
+unroll (04's --ttt-unroll per-step; the default rows run 04's default, the shared unroll:
+eagle3/train/ttt.py), `+seed1` initialises the draft from seed 1 instead of 0 (for a curve: the
+seed-to-seed spread a code change's curve is set against), `@T` sets this row's tokens per
+micro-step (else --seq); e.g. `flex+compile+fp8@8192`, `flex+compile+fp8:block`, `curve+perstep`.
+MFU counts the FLOPs the row's unroll executes (eagle3/train/flops.py), so compare unrolls by
+tokens/s.
 --profile adds, for flex / flex+compile, the kernel time of 2 profiled steps by category and the
 GEMMs' FLOP rate. Compiling costs ~45 s per row width and config (T = 4096, H200): budget
 ~90 s for a compiled row, and about 0.33 s per curve step on top.
@@ -38,6 +41,7 @@ CPU smoke test (toy sizes, naive attention, DDP over gloo):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -58,7 +62,9 @@ from eagle3.draft.model import DraftConfig
 from eagle3.train import distributed
 from eagle3.train.data import DevicePrefetcher, PackedRows, make_loader
 from eagle3.train.flops import micro_step_flops
-from eagle3.train.fp8 import refresh_fp8_weights, use_fp8_gemms
+from eagle3.train.fp8 import Fp8Linear, refresh_fp8_weights, use_fp8_gemms
+from eagle3.train.fp8_check import grad_errors, judge
+from eagle3.train.fp8_scaling import parse_recipe, simulate_gemm
 from eagle3.train.optimizer import build_optimizer, clip_gradients
 from eagle3.train.ttt import TTTModel
 
@@ -117,8 +123,9 @@ def dims_of(args) -> dict:
 
 
 def build(args, device: torch.device, compile_forward: bool, arch: str = "llama",
-          fp8: bool = False, seed: int = 0, unroll: str = "shared"):
-    """(model, optimizer, forward) at the benchmark dimensions, synthetic weights."""
+          fp8: str | None = None, seed: int = 0, unroll: str = "shared"):
+    """(model, optimizer, forward) at the benchmark dimensions, synthetic weights; `fp8` the
+    FP8 recipe of the draft's linear layers (None: plain GEMMs)."""
     mla = (TINY_MLA if args.tiny else KIMI_MLA) if arch == "mla" else {}
     cfg = DraftConfig(**{**dims_of(args), **mla})
     torch.manual_seed(seed)
@@ -132,7 +139,7 @@ def build(args, device: torch.device, compile_forward: bool, arch: str = "llama"
         embed = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16) * 0.02
         teacher = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, dtype=torch.bfloat16) * 0.02
     if fp8:
-        use_fp8_gemms(draft)
+        use_fp8_gemms(draft, recipe=fp8)
     cuda = device.type == "cuda"
     model = TTTModel(draft, embed, teacher, args.ttt_steps, 0.8, "flex" if cuda else "naive",
                      torch.bfloat16 if cuda else torch.float32, unroll=unroll)
@@ -172,7 +179,7 @@ def write_files(cfg: DraftConfig, seq: int, n: int, root: Path) -> list[Path]:
 
 def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
         dist_info: distributed.DistInfo | None = None, arch: str = "llama",
-        fp8: bool = False, unroll: str = "shared") -> dict:
+        fp8: str | None = None, unroll: str = "shared") -> dict:
     """Time `args.steps` optimizer steps (after `args.warmup`); one micro-step per step."""
     dist_info = dist_info or distributed.DistInfo()
     cuda = device.type == "cuda"
@@ -240,7 +247,9 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
            "train_flops_per_step": flops,
            "mfu_vs_989T": flops * args.steps / seconds / H200_BF16_PEAK,
            "final_loss": float(state["loss"]), "attention": model.attention, "arch": arch,
-           "fp8_gemm": fp8, "seq": args.seq, "unroll": unroll,
+           "fp8_gemm": fp8, "fp8_emulated": any(
+               getattr(m, "fp8_emulate", False) for m in model.draft.modules()),
+           "seq": args.seq, "unroll": unroll,
            "flops_per_token": flops / args.seq,
            "draft_params": sum(p.numel() for p in model.draft.parameters())}
     if use_loader:
@@ -260,22 +269,52 @@ def run(args, device: torch.device, compile_forward: bool, use_loader: bool,
     return out
 
 
-def grad_check(model, forward, batch: dict, cuda: bool) -> dict:
-    """The FP8 step's gradients (through `forward`, compiled when the row is) against the same
-    step with plain GEMMs (eager), parameter by parameter, before any update: the cosine of each
-    pair, and the parameters the FP8 step left without a gradient."""
-    from eagle3.train.fp8 import Fp8Linear
+def perturbed_batches(batch: dict) -> dict:
+    """The floors' inputs: `aux_1pct` the aux states times (1 + 0.01 n), n standard normal (the
+    criterion's floor, eagle3/train/fp8_check.py); `drop_1pct` / `drop_5pct` the loss mask with
+    a random 1% / 5% of the tokens left out (for scale: a slightly smaller batch)."""
+    aux = batch["aux"]
+    g = torch.Generator(device=aux.device).manual_seed(7)
+    noise = torch.randn(aux.shape, generator=g, device=aux.device, dtype=aux.dtype)
+    out = {"aux_1pct": {**batch, "aux": aux * (1 + 0.01 * noise)}}
+    for pct in (1, 5):
+        g = torch.Generator(device=aux.device).manual_seed(3)
+        keep = torch.rand(batch["loss_mask"].shape, generator=g, device=aux.device) >= pct / 100
+        out[f"drop_{pct}pct"] = {**batch, "loss_mask": batch["loss_mask"] * keep}
+    return out
 
+
+def reference_copy(model, dtype: torch.dtype):
+    """A copy of the plain-GEMM TTT model computing in `dtype` (the gradient reference), without
+    the FP8 layers' weight copies."""
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        for name in ("fp8_w", "fp8_w_scale", "fp8_wt", "fp8_wt_scale"):
+            m._buffers.pop(name, None)
+    ref = ref.to(dtype)
+    ref.compute_dtype = dtype
+    return ref
+
+
+def grad_check(model, forward, batch: dict, cuda: bool) -> dict:
+    """The FP8 step's gradients (through `forward`, compiled when the row is) against the
+    criterion of eagle3/train/fp8_check.py, before any update. Reference: the plain step in
+    float64 (CPU) or fp32 (CUDA), eager; floor: the plain step in the row's precision (fp32 on
+    CPU, bf16 on CUDA) with the aux states perturbed by 1%. Also: the plain bf16 step judged
+    the same way (it must pass), the FP8 step's largest ratio against leaving 1% / 5% of the
+    tokens out of the loss, and the cosines against the plain step (the earlier figure). Each
+    step's errors are taken as its gradients come, so at most three gradient sets are held."""
     masks = model.build_masks(batch["doc_ids"], compile_mask=cuda)
 
-    def grads(fn) -> dict:
-        with torch.autocast(batch["aux"].device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss, _ = fn(batch["input_ids"], batch["loss_mask"], batch["doc_ids"],
-                         batch["positions"], batch["aux"], batch["final"], masks=masks)
+    def grads(fn, b: dict = batch, autocast: bool = cuda) -> dict:
+        with torch.autocast(b["aux"].device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss, _ = fn(b["input_ids"], b["loss_mask"], b["doc_ids"], b["positions"],
+                         b["aux"], b["final"], masks=masks)
         loss.backward()
+        draft = fn.draft if hasattr(fn, "draft") else model.draft
         out = {n: None if p.grad is None else p.grad.detach().clone()
-               for n, p in model.draft.named_parameters()}
-        model.draft.zero_grad(set_to_none=True)
+               for n, p in draft.named_parameters()}
+        draft.zero_grad(set_to_none=True)
         return out
 
     fp8 = grads(forward)
@@ -283,48 +322,55 @@ def grad_check(model, forward, batch: dict, cuda: bool) -> dict:
     for m in converted:
         m.__class__ = torch.nn.Linear
     try:
+        high = torch.float32 if cuda else torch.float64
+        reference = str(high).replace("torch.", "")
+        try:
+            ref = grads(reference_copy(model, high), autocast=False)
+        except RuntimeError as e:  # out of memory or no fp32 kernel: recorded, the row goes on
+            reference = f"the plain step ({reference} failed: {str(e)[:300]})"
+            ref = None
         plain = grads(model)
-        # the noise floor: plain GEMMs again, the aux states perturbed by 1% (e4m3 rounds each
-        # operand by up to 6%: 3 mantissa bits): how far a small change moves this gradient
-        aux = batch["aux"]
-        g = torch.Generator(device=aux.device).manual_seed(7)
-        noise = torch.randn(aux.shape, generator=g, device=aux.device, dtype=aux.dtype)
-        batch = {**batch, "aux": aux * (1 + 0.01 * noise)}
-        perturbed = grads(model)
+        ref = plain if ref is None else ref
+        # the plain bf16 step (CUDA: the plain step; CPU: under CPU autocast) must pass
+        errors = {"fp8": grad_errors(fp8, ref), "bf16": grad_errors(
+            plain if cuda else grads(model, autocast=True), ref)}
+        for k, b in perturbed_batches(batch).items():
+            errors[k] = grad_errors(grads(model, b), ref)
     finally:
         for m in converted:
             m.__class__ = Fp8Linear
-
-    def cos(a, b):
-        return float(torch.nn.functional.cosine_similarity(a.float().flatten(),
-                                                           b.float().flatten(), dim=0))
-
-    cosine, missing = {}, []
-    for name, ref in plain.items():
-        got = fp8[name]
-        if got is None or not bool(got.ne(0).any()):
-            missing.append(name)
-            continue
-        cosine[name] = cos(got, ref)
-    floor = {n: cos(perturbed[n], ref) for n, ref in plain.items()
-             if ref is not None and perturbed[n] is not None}
-    return {"grad_cosine_min_vs_plain": min(cosine.values(), default=0.0),
-            "grad_cosine_vs_plain": cosine, "params_without_fp8_grad": missing,
-            "grad_cosine_min_plain_aux_1pct": min(floor.values(), default=0.0),
-            "grad_cosine_plain_aux_1pct": floor,
+    del ref
+    verdict = judge(errors["fp8"], errors["aux_1pct"])
+    plain_verdict = judge(errors["bf16"], errors["aux_1pct"])
+    vs_plain = {n: 1 - e for n, e in grad_errors(fp8, plain).items()}
+    return {"criterion_passed": verdict.passed, "criterion": verdict.as_dict(),
+            "reference": reference,
+            "grad_ratio_max": verdict.worst()[1], "grad_ratio_worst_param": verdict.worst()[0],
+            "bf16_step_criterion_passed": plain_verdict.passed,
+            "bf16_step_ratio_max": plain_verdict.worst()[1],
+            "bf16_step_error": errors["bf16"],
+            "grad_ratio_max_vs_drop_1pct": judge(errors["fp8"], errors["drop_1pct"]).worst()[1],
+            "grad_ratio_max_vs_drop_5pct": judge(errors["fp8"], errors["drop_5pct"]).worst()[1],
+            "drop_error": {k: errors[k] for k in ("drop_1pct", "drop_5pct")},
+            "grad_cosine_min_vs_plain": min(vs_plain.values(), default=0.0),
+            "grad_cosine_vs_plain": vs_plain,
+            "params_without_fp8_grad": [n for n, e in verdict.error.items() if e == float("inf")],
             "op_check": op_check(model.draft, batch["aux"].device)}
 
 
 def op_check(draft, device: torch.device) -> dict:
-    """One FP8 layer at the draft's MLP size (4096 rows, hidden -> intermediate), compiled on
-    CUDA, against the same rounding done in float64: the relative error of the forward and of
-    both gradients (tests/train/test_fp8.py checks the same on CPU)."""
+    """One FP8 layer at the draft's MLP size (4096 rows, hidden -> intermediate) with the
+    draft's recipe, compiled on CUDA, against the same rounding done in float64: the relative
+    error of the forward and of both gradients (tests/train/test_fp8.py checks the same on CPU;
+    a GEMM the recipe keeps plain is not checked)."""
     K, N = draft.cfg.hidden_size, draft.cfg.intermediate_size
+    sample = next(m for m in draft.modules() if isinstance(m, Fp8Linear))
+    recipe = sample.fp8_recipe
     cuda = device.type == "cuda"
     M = 4096 if cuda else 64
     torch.manual_seed(0)
     layer = torch.nn.Linear(K, N, bias=False, device=device)
-    use_fp8_gemms(layer)
+    use_fp8_gemms(layer, recipe=recipe.name)
     x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(M, N, device=device, dtype=torch.bfloat16)
     fn = torch.compile(layer) if cuda else layer
@@ -332,19 +378,18 @@ def op_check(draft, device: torch.device) -> dict:
         y = fn(x)
     y.backward(g)
 
-    def deq(t):
-        t = t.detach().double()
-        scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
-        return (t / scale).to(torch.float8_e4m3fn).double() * scale
-
-    def rel(got, a, b):
-        want = deq(a) @ deq(b).t()
+    def rel(got, a, b, b_is_weight, a_is_grad):
+        want = simulate_gemm(a.detach(), b.detach(), recipe, b_is_weight, a_is_grad)
         return float((got.detach().double() - want).norm() / want.norm())
 
     w = layer.weight
-    return {"rows": M, "in": K, "out": N, "forward_rel_err": rel(y, x, w),
-            "grad_input_rel_err": rel(x.grad, g, w.t()),
-            "grad_weight_rel_err": rel(w.grad, g.t(), x.t())}
+    checks = {"forward_rel_err": ("f", y, x, w, True, False),
+              "grad_input_rel_err": ("i", x.grad, g, w.t(), True, True),
+              "grad_weight_rel_err": ("w", w.grad, g.t(), x.t(), False, True)}
+    out = {"rows": M, "in": K, "out": N, "recipe": recipe.name, "emulated": sample.fp8_emulate}
+    for key, (gemm, got, a, b, b_is_weight, a_is_grad) in checks.items():
+        out[key] = rel(got, a, b, b_is_weight, a_is_grad) if recipe.fp8(gemm) else None
+    return out
 
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
@@ -412,7 +457,7 @@ def learnable_batch(cfg: DraftConfig, seq: int, seed: int, device) -> dict:
     return {k: v.to(device) for k, v in b.items()}
 
 
-def loss_curve(args, device: torch.device, fp8: bool = False, seed: int = 0,
+def loss_curve(args, device: torch.device, fp8: str | None = None, seed: int = 0,
                unroll: str = "shared") -> dict:
     """The loss of `--curve-steps` optimizer steps of the compiled trainer step, fixed seed,
     cycling over 4 fixed learnable batches (compare two code versions' curves step by step)."""
@@ -524,6 +569,8 @@ def main(argv=None) -> int:
         results["gemm_bf16_tflops"] = gemm_tflops(device)
         results["gemm_fp8_rowwise_tflops"] = attempt(
             lambda: {"tflops": gemm_tflops(device, fp8=True)}, "fp8 GEMM").get("tflops")
+    for name in args.configs:
+        parse_row_name(name)  # a bad row name (an unknown FP8 recipe) fails before any row runs
     t0 = time.perf_counter()
     for name in args.configs:
         if time.perf_counter() - t0 > args.budget_s:
@@ -543,10 +590,12 @@ def parse_row_name(name: str) -> tuple[str, dict]:
     """(base config, options) of a row name such as `flex+compile+fp8@8192` (module doc)."""
     name, _, seq = name.partition("@")
     parts = name.split("+")
-    opts = {"fp8": "fp8" in parts, "seed": 1 if "seed1" in parts else 0,
-            "seq": int(seq) if seq else None,
+    fp8 = [p.partition(":")[2] or "rowwise" for p in parts if p.partition(":")[0] == "fp8"]
+    opts = {"fp8": parse_recipe(fp8[0]).name if fp8 else None,
+            "seed": 1 if "seed1" in parts else 0, "seq": int(seq) if seq else None,
             "unroll": "per-step" if "perstep" in parts else "shared"}
-    base = "+".join(p for p in parts if p not in ("fp8", "seed1", "perstep"))
+    base = "+".join(p for p in parts if p not in ("seed1", "perstep")
+                    and p.partition(":")[0] != "fp8")
     return base, opts
 
 
@@ -624,6 +673,30 @@ def attempt(fn, name: str) -> dict:
     return out
 
 
+def grad_check_lines(name: str, r: dict) -> list[str]:
+    """The report's lines for one FP8 row's gradient check (grad_check)."""
+    oc, crit = r["op_check"], r["criterion"]
+    kinds = (("fwd", "forward_rel_err"), ("grad in", "grad_input_rel_err"),
+             ("grad w", "grad_weight_rel_err"))
+    errs = ", ".join(f"{label} {oc[k]:.1e}" if oc[k] is not None else f"{label} plain"
+                     for label, k in kinds)
+    lines = [f"{name}: criterion {'PASSED' if r['criterion_passed'] else 'FAILED'} "
+             f"(1 - cos vs the {r['reference']} step, over the plain step's with aux +-1%: "
+             f"max ratio "
+             f"{r['grad_ratio_max']:.2f} at {r['grad_ratio_worst_param']}; the plain bf16 "
+             f"step's own max ratio {r['bf16_step_ratio_max']:.2f}); max ratio against leaving 1% / 5% "
+             f"of the tokens out {r['grad_ratio_max_vs_drop_1pct']:.2f} / "
+             f"{r['grad_ratio_max_vs_drop_5pct']:.2f}; grad cos vs plain min "
+             f"{r['grad_cosine_min_vs_plain']:.4f}",
+             f"{name}: one FP8 layer ({oc['recipe']}{', emulated' if oc['emulated'] else ''}) "
+             f"vs float64 rounding ({oc['rows']}x{oc['in']}->{oc['out']}): {errs}"]
+    lines.append(f"  {'parameter':<44}{'1-cos fp8':>11}{'1-cos floor':>12}{'ratio':>8}")
+    for param, ratio in crit["ratio"].items():
+        lines.append(f"  {param:<44}{crit['error'][param]:>11.2e}{crit['floor'][param]:>12.2e}"
+                     f"{ratio:>8.2f}")
+    return lines
+
+
 def report(results: dict) -> str:
     lines = [f"{results['device']}, torch {results['torch']}, seq {results['seq']}, "
              f"TTT {results['ttt_steps']}"]
@@ -640,24 +713,19 @@ def report(results: dict) -> str:
                ("host_syncs_per_step", "syncs", "{}"),
                ("scaling_efficiency", "DDP eff.", "{:.2f}"),
                ("grad_cosine_min_vs_plain", "grad cos", "{:.4f}"),
+               ("grad_ratio_max", "grad ratio", "{:.1f}"),
                ("draft_params", "params", "{:,}")]
-    lines.append(f"{'config':<14}" + "".join(f"{title:>11}" for _, title, _ in columns))
+    lines.append(f"{'config':<22}" + "".join(f"{title:>11}" for _, title, _ in columns))
     for name, r in results["configs"].items():
         if "tokens_per_s_per_gpu" not in r:
-            lines.append(f"{name:<14}{r.get('error', r.get('skipped', ''))[:200]}")
+            lines.append(f"{name:<22}{r.get('error', r.get('skipped', ''))[:200]}")
             continue
         cells = [fmt.format(r[key]) if r.get(key) is not None else "-"
                  for key, _, fmt in columns]
-        lines.append(f"{name:<14}" + "".join(f"{c:>11}" for c in cells))
+        lines.append(f"{name:<22}" + "".join(f"{c:>11}" for c in cells))
     for name, r in results["configs"].items():
         if "op_check" in r:
-            oc = r["op_check"]
-            lines.append(f"{name}: grad cos vs plain min {r['grad_cosine_min_vs_plain']:.4f}; "
-                         f"plain with aux +-1%: min {r['grad_cosine_min_plain_aux_1pct']:.4f}; "
-                         f"one FP8 layer vs float64 rounding ({oc['rows']}x{oc['in']}->"
-                         f"{oc['out']}): fwd {oc['forward_rel_err']:.1e}, grad in "
-                         f"{oc['grad_input_rel_err']:.1e}, grad w "
-                         f"{oc['grad_weight_rel_err']:.1e}")
+            lines += grad_check_lines(name, r)
         if r.get("params_without_fp8_grad"):
             lines.append(f"{name}: NO GRADIENT in {r['params_without_fp8_grad']}")
     for name, gap in results.get("curve_gaps", {}).items():

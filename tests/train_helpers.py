@@ -7,6 +7,7 @@ distribution from them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -115,6 +116,12 @@ def run_tiny(data_root: Path, out_dir: Path, dist: DistInfo | None = None,
     summary = train(cfg, Path(out_dir), load_tiny_data(data_root), draft, embed, teacher, rt,
                     tiny_lm_head()[0])
     return summary, draft
+
+
+def first_eval_loss(out_dir: Path) -> float:
+    """The first eval loss a run wrote to its metrics.jsonl."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r["eval_loss"][0] for r in rows if "eval_loss" in r)
 
 
 def ddp_worker(rank: int, world: int, data_root: str, out_dir: str, port: int) -> None:

@@ -1,4 +1,4 @@
-"""FP8 GEMMs for training the draft: the draft's linear layers in float8 e4m3 with per-row scales.
+"""FP8 GEMMs for training the draft: the draft's linear layers in float8 (per-row or tile scales).
 
 Each training-mode `nn.Linear` of the draft that `use_fp8_gemms` converts computes its three
 GEMMs (the forward `y = x W^T`, the input gradient `g W` and the weight gradient `g^T x`) with
@@ -19,21 +19,40 @@ Memory: each converted weight keeps two e4m3 copies (2 bytes per weight, 1.9 GB 
 draft size), quantised once per optimizer step (Fp8Linear); the bf16 weight copies autocast
 would make are not made. Measured peak at T = 4096: 31.9 GiB against 34.8 for bf16.
 
-The fp8 path equals a float64 simulation of the same quantisation (tests/train/test_fp8.py); what
-it costs in loss and acceptance is measured in BENCHMARKS.md (training step, FP8 GEMMs).
+That is the `rowwise` recipe. Other recipes (eagle3/train/fp8_scaling.py: 1 x 128 tiles for
+activations and gradients with 128 x 128 weight blocks, e5m2 gradients, FP8 in only some of the
+three GEMMs) go through the same operator; `use_fp8_gemms(draft, recipe)` picks one.
+
+The fp8 path equals a float64 simulation of the same quantisation (tests/train/test_fp8.py); how
+far it moves the gradient is judged by eagle3/train/fp8_check.py; what it costs in loss and
+acceptance is measured in BENCHMARKS.md (training step, FP8 GEMMs).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-E4M3 = torch.float8_e4m3fn
+from eagle3.train.fp8_scaling import (
+    E4M3,
+    Fp8Recipe,
+    block_kernel_error,
+    parse_recipe,
+    quantize,
+    quantize_blocks,
+    scaled_gemm,
+)
+
+log = logging.getLogger(__name__)
+
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm: every dimension a multiple of 16
 MODES = ("auto", "on", "off")
 SKIPPED = ("lm_head",)  # module names kept out of FP8 (see the module doc)
+ROWWISE = "rowwise"  # the recipe `--fp8-gemm on` trains with
 
 
 def fp8_supported(device: torch.device) -> str | None:
@@ -66,36 +85,32 @@ def resolve_mode(mode: str, device: torch.device) -> bool:
 
 def quantize_rows(t_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 `[M, K]` row-major, fp32 scale `[M, 1]`) with `t ~= q * scale` row by row."""
-    t = t_MK.float()
-    amax = t.abs().amax(dim=-1, keepdim=True)
-    scale = torch.clamp(amax, min=1e-12) / E4M3_MAX
-    q = torch.clamp(t / scale, -E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
-    return q, scale
+    return quantize(t_MK, 0, E4M3)
 
 
-def _scaled_mm(qa_MK: torch.Tensor, sa_M1: torch.Tensor, qb_NK: torch.Tensor, sb_N1: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b^T` from e4m3 operands quantised along K (rows of a and b) and their row scales.
-    The GEMM writes bf16 (the one output dtype of rowwise-scaled CUDA kernels), cast to
-    `out_dtype`."""
-    out = torch._scaled_mm(qa_MK.contiguous(), qb_NK.contiguous().t(), scale_a=sa_M1,
-                           scale_b=sb_N1.t(), out_dtype=torch.bfloat16)
-    return out.to(out_dtype)
+def _scaled_mm(qa_MK: torch.Tensor, sa: torch.Tensor, qb_NK: torch.Tensor, sb: torch.Tensor,
+               out_dtype: torch.dtype, tile: int = 0, emulate: bool = False) -> torch.Tensor:
+    """`a @ b^T` from fp8 operands quantised along K (rows of a and b) and their scales (per
+    row, or per tile/block for `tile` > 0: fp8_scaling.scaled_gemm). The GEMM writes bf16 (the
+    one output dtype of rowwise-scaled CUDA kernels), cast to `out_dtype`."""
+    return scaled_gemm(qa_MK.contiguous(), sa, qb_NK.contiguous(), sb, tile, emulate).to(out_dtype)
 
 
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    """Zero rows up to a multiple of ALIGN (the weight gradient contracts over rows)."""
-    extra = -t.shape[0] % ALIGN
+def _pad_rows(t: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
+    """Zero rows up to a multiple of `multiple` (the weight gradient contracts over rows)."""
+    extra = -t.shape[0] % multiple
     return t if not extra else F.pad(t, (0, 0, 0, extra))
 
 
 @torch.library.custom_op("eagle3::fp8_linear", mutates_args=())
-def fp8_linear(x_MK: torch.Tensor, qx_MK: torch.Tensor, sx_M1: torch.Tensor, w_NK: torch.Tensor,
-               qw_NK: torch.Tensor, sw_N1: torch.Tensor, qwt_KN: torch.Tensor,
-               swt_K1: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x_MK: torch.Tensor, qx_MK: torch.Tensor, sx: torch.Tensor, w_NK: torch.Tensor,
+               qw_NK: torch.Tensor, sw: torch.Tensor, qwt_KN: torch.Tensor,
+               swt: torch.Tensor, recipe: str, emulate: bool) -> torch.Tensor:
     """`x @ w^T` in FP8 as one operator: `qx`/`sx` is x quantised along K, `qw`/`sw` w along K
-    (the forward GEMM), `qwt`/`swt` w^T along N (the input gradient's GEMM). `x` and `w` are
-    here for the backward (the weight gradient quantises x along M) and to route gradients.
+    (the forward GEMM), `qwt`/`swt` w^T along N (the input gradient's GEMM), all as `recipe`
+    says (fp8_scaling.parse_recipe; a GEMM it keeps out of FP8 runs plain in x's dtype, its
+    quantised operands unused). `x` and `w` are here for the backward (the weight gradient
+    quantises x along M) and to route gradients. `emulate`: tile/block scales without the kernel.
 
     An operator rather than an `autograd.Function`: torch.compile treats it as opaque and takes
     its gradient from `register_autograd` below. A compiled H200 step with the
@@ -103,78 +118,116 @@ def fp8_linear(x_MK: torch.Tensor, qx_MK: torch.Tensor, sx_M1: torch.Tensor, w_N
     GEMMs"). The quantisations happen outside it, in traced code, where torch.compile fuses them
     into the neighbouring kernels.
     """
-    return _scaled_mm(qx_MK, sx_M1, qw_NK, sw_N1, x_MK.dtype)
+    r = parse_recipe(recipe)
+    if not r.fp8("f"):
+        return x_MK @ w_NK.to(x_MK.dtype).t()
+    return _scaled_mm(qx_MK, sx, qw_NK, sw, x_MK.dtype, r.tile, emulate)
 
 
 @fp8_linear.register_fake
-def _fp8_linear_shape(x_MK, qx_MK, sx_M1, w_NK, qw_NK, sw_N1, qwt_KN, swt_K1):
-    return x_MK.new_empty((x_MK.shape[0], qw_NK.shape[0]))
+def _fp8_linear_shape(x_MK, qx_MK, sx, w_NK, qw_NK, sw, qwt_KN, swt, recipe, emulate):
+    return x_MK.new_empty((x_MK.shape[0], w_NK.shape[0]))
 
 
 def _fp8_linear_save(ctx, inputs, output) -> None:
-    x_MK, _, _, w_NK, _, _, qwt_KN, swt_K1 = inputs
-    # the bf16 input (as the bf16 path saves) and the weight's cached fp8 copy: no new memory
-    ctx.save_for_backward(x_MK, qwt_KN, swt_K1)
-    ctx.w_dtype = w_NK.dtype
+    x_MK, _, _, w_NK, _, _, qwt_KN, swt, recipe, emulate = inputs
+    # the bf16 input (as the bf16 path saves), the weight and its cached fp8 copy: no new memory
+    ctx.save_for_backward(x_MK, w_NK, qwt_KN, swt)
+    ctx.w_dtype, ctx.recipe, ctx.emulate = w_NK.dtype, recipe, emulate
 
 
 def _fp8_linear_backward(ctx, g_MN):
-    """Both gradients in FP8: `g @ w` (g quantised along N, w^T cached) and `g^T @ x` (both
-    quantised along M, zero rows added to a multiple of 16: they add nothing)."""
-    x_MK, qwt_KN, swt_K1 = ctx.saved_tensors
-    qg, sg = quantize_rows(g_MN)
-    grad_x = _scaled_mm(qg, sg, qwt_KN, swt_K1, x_MK.dtype)
-    qgt, sgt = quantize_rows(_pad_rows(g_MN).t())
-    qxt, sxt = quantize_rows(_pad_rows(x_MK).t())
-    grad_w = _scaled_mm(qgt, sgt, qxt, sxt, ctx.w_dtype)
-    return grad_x, None, None, grad_w, None, None, None, None
+    """Both gradients as the recipe says: `g @ w` (g quantised along N, w^T cached) and
+    `g^T @ x` (both quantised along M, zero rows added to a multiple of 16 or of the tile: they
+    add nothing); g in the recipe's gradient type."""
+    x_MK, w_NK, qwt_KN, swt = ctx.saved_tensors
+    r = parse_recipe(ctx.recipe)
+    if r.fp8("i"):
+        qg, sg = quantize(g_MN, r.tile, r.grad_dtype)
+        grad_x = _scaled_mm(qg, sg, qwt_KN, swt, x_MK.dtype, r.tile, ctx.emulate)
+    else:
+        grad_x = (g_MN @ w_NK.to(g_MN.dtype)).to(x_MK.dtype)
+    if r.fp8("w"):
+        rows = max(ALIGN, r.tile)
+        qgt, sgt = quantize(_pad_rows(g_MN, rows).t(), r.tile, r.grad_dtype)
+        qxt, sxt = quantize(_pad_rows(x_MK, rows).t(), r.tile)
+        grad_w = _scaled_mm(qgt, sgt, qxt, sxt, ctx.w_dtype, r.tile, ctx.emulate)
+    else:
+        grad_w = (g_MN.t() @ x_MK.to(g_MN.dtype)).to(ctx.w_dtype)
+    return grad_x, None, None, grad_w, None, None, None, None, None, None
 
 
 fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_fp8_linear_save)
 
 
-_quantize_weight_compiled = None
+def weight_copies(w_NK: torch.Tensor, tile: int) -> tuple:
+    """(qw, sw, qwt, swt): the weight along K for the forward and along N for the input
+    gradient; per row (tile 0), or one set of tile x tile blocks read both ways."""
+    if tile:
+        q, s = quantize_blocks(w_NK, tile)
+        return q, s, q.t().contiguous(), s.t().contiguous()
+    return (*quantize(w_NK), *quantize(w_NK.t()))
 
 
-def _quantize_weight(w: torch.Tensor) -> tuple:
-    """quantize_rows of w and of w^T; compiled on CUDA (one fused kernel each, eager caller)."""
-    global _quantize_weight_compiled
-    fn = quantize_rows
+_weight_copies_compiled = None
+
+
+def _quantize_weight(w: torch.Tensor, tile: int = 0) -> tuple:
+    """weight_copies; compiled on CUDA (fused kernels, eager caller)."""
+    global _weight_copies_compiled
+    fn = weight_copies
     if w.device.type == "cuda":
-        if _quantize_weight_compiled is None:
-            _quantize_weight_compiled = torch.compile(quantize_rows, dynamic=True)
-        fn = _quantize_weight_compiled
-    return (*fn(w), *fn(w.t()))
+        if _weight_copies_compiled is None:
+            _weight_copies_compiled = torch.compile(weight_copies, dynamic=True)
+        fn = _weight_copies_compiled
+    return fn(w, tile)
 
 
-def _fp8_columns(x_MK: torch.Tensor, w_NK: torch.Tensor, copies: tuple,
-                 start: int) -> torch.Tensor:
-    """`x @ w[:, start:start + K]^T` (K = x's width) from the whole weight's e4m3 `copies`
-    (qw, sw, qwt, swt): qw's rows cut to the block keep their whole-row scales (never below the
-    block's amax, so nothing saturates); the rows of qwt are the block's columns, each with its
-    own scale, exactly what the input gradient needs."""
+def _fp8_columns(x_MK: torch.Tensor, w_NK: torch.Tensor, copies: tuple, start: int,
+                 recipe: Fp8Recipe, emulate: bool) -> torch.Tensor:
+    """`x @ w[:, start:start + K]^T` (K = x's width) from the whole weight's fp8 `copies`
+    (qw, sw, qwt, swt). Rowwise: qw's rows cut to the block keep their whole-row scales (never
+    below the block's amax, so nothing saturates); the rows of qwt are the block's columns, each
+    with its own scale, exactly what the input gradient needs. Tile/block recipes: the block
+    starts on a tile boundary and keeps its weight blocks' scales."""
     qw, sw, qwt, swt = copies
+    tile = recipe.tile
     K = x_MK.shape[-1]
     if K != w_NK.shape[1]:
         w_NK = w_NK[:, start:start + K]
-        qw, qwt, swt = qw[:, start:start + K], qwt[start:start + K], swt[start:start + K]
-    qx, sx = quantize_rows(x_MK.detach())  # traced when compiling: fused with its producer
-    return fp8_linear(x_MK, qx, sx, w_NK, qw, sw, qwt, swt)
+        qw, qwt = qw[:, start:start + K], qwt[start:start + K]
+        if tile:
+            if start % tile:
+                raise ValueError(f"FP8 recipe {recipe.name}: input columns from {start} do not "
+                                 f"start on a {tile}-wide tile; use --fp8-gemm on (rowwise)")
+            sw, swt = sw[:, start // tile:-(-(start + K) // tile)], \
+                swt[start // tile:-(-(start + K) // tile)]
+        else:
+            swt = swt[start:start + K]
+    if recipe.fp8("f"):  # traced when compiling: fused with its producer
+        qx, sx = quantize(x_MK.detach(), tile)
+    else:
+        qx = sx = x_MK.new_empty(0)
+    return fp8_linear(x_MK, qx, sx, w_NK, qw, sw, qwt, swt, recipe.name, emulate)
 
 
-def fp8_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, start: int = 0) -> torch.Tensor:
+def fp8_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, start: int = 0,
+               recipe: str | Fp8Recipe = ROWWISE, emulate: bool | None = None) -> torch.Tensor:
     """`x @ w[:, start:start + K]^T` in FP8 with both operands quantised here: Fp8Linear's eager
-    forward (a compiled one reads the weight's cached copies instead; the same values)."""
+    forward (a compiled one reads the weight's cached copies instead; the same values).
+    `emulate` None: tile/block scales are emulated off CUDA."""
+    emulate = x_MK.device.type != "cuda" if emulate is None else emulate
+    r = parse_recipe(recipe) if isinstance(recipe, str) else recipe
     with torch.no_grad():
-        copies = _quantize_weight(w_NK.detach())
-    return _fp8_columns(x_MK, w_NK, copies, start)
+        copies = _quantize_weight(w_NK.detach(), r.tile)
+    return _fp8_columns(x_MK, w_NK, copies, start, r, emulate)
 
 
 class Fp8Linear(nn.Linear):
     """`nn.Linear` whose training-mode forward runs fp8_linear (same parameters and state_dict
-    keys; eval mode is the plain GEMM).
+    keys; eval mode is the plain GEMM), with the recipe set by `attach`.
 
-    A compiled forward reads the weight's two e4m3 copies (along K for the forward, along N for
+    A compiled forward reads the weight's two fp8 copies (along K for the forward, along N for
     the input gradient) from non-persistent buffers, quantised once per optimizer step rather
     than once per TTT step and GEMM. It cannot tell when the weight changed, so whoever updates
     the weight calls `refresh_fp8_weights(model)` before the next compiled forward
@@ -183,6 +236,9 @@ class Fp8Linear(nn.Linear):
     place without bumping it (tests/train/test_fp8.py). An eager forward quantises the weight
     afresh at every call and cannot go stale.
     """
+
+    fp8_recipe: Fp8Recipe = parse_recipe(ROWWISE)
+    fp8_emulate: bool = False  # tile/block scales through the fp32 emulation (no kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -203,26 +259,24 @@ class Fp8Linear(nn.Linear):
         x_MK = x.reshape(-1, k).to(dtype)
         if torch.compiler.is_compiling():
             copies = (self.fp8_w, self.fp8_w_scale, self.fp8_wt, self.fp8_wt_scale)
-            y = _fp8_columns(x_MK, self.weight, copies, start)
+            y = _fp8_columns(x_MK, self.weight, copies, start, self.fp8_recipe, self.fp8_emulate)
         else:
-            y = fp8_matmul(x_MK, self.weight, start)
+            y = fp8_matmul(x_MK, self.weight, start, self.fp8_recipe, self.fp8_emulate)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    def attach(self) -> None:
-        N, K = self.weight.shape
-        dev = self.weight.device
-        for name, shape in (("fp8_w", (N, K)), ("fp8_wt", (K, N))):
-            self.register_buffer(name, torch.empty(shape, dtype=E4M3, device=dev),
-                                 persistent=False)
-            self.register_buffer(name + "_scale", torch.empty((shape[0], 1), device=dev),
-                                 persistent=False)
+    def attach(self, recipe: str = ROWWISE, emulate: bool = False) -> None:
+        self.fp8_recipe, self.fp8_emulate = parse_recipe(recipe), emulate
+        copies = _quantize_weight(self.weight.detach(), self.fp8_recipe.tile)
+        for name, t in zip(("fp8_w", "fp8_w_scale", "fp8_wt", "fp8_wt_scale"), copies):
+            self.register_buffer(name, torch.empty_like(t), persistent=False)
         self.refresh()
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Quantise the weight into the buffers the compiled forward reads."""
+        copies = _quantize_weight(self.weight.detach(), self.fp8_recipe.tile)
         for buf, new in zip((self.fp8_w, self.fp8_w_scale, self.fp8_wt, self.fp8_wt_scale),
-                            _quantize_weight(self.weight.detach())):
+                            copies):
             buf.copy_(new)  # in place: a compiled graph keeps reading the same buffers
 
 
@@ -235,21 +289,40 @@ def refresh_fp8_weights(model: nn.Module) -> int:
     return len(layers)
 
 
-def use_fp8_gemms(draft: nn.Module, skip: tuple[str, ...] = SKIPPED) -> list[str]:
-    """Convert the draft's linear layers (but `skip`) to Fp8Linear in place; returns their names.
+def _needs_emulation(recipe: str, device: torch.device) -> bool:
+    """Whether `recipe`'s GEMMs run emulated on `device` (tile/block scales without a kernel);
+    on a GPU that is a fallback, logged (numerically the same GEMM, slower than bf16)."""
+    if not parse_recipe(recipe).tile:
+        return False
+    why = block_kernel_error(device)
+    if why and device.type == "cuda":
+        log.warning("FP8 recipe %s: %s; its GEMMs run emulated (dequantised, fp32 GEMM): the "
+                    "same numbers, slower than bf16", recipe, why)
+    return why is not None
 
-    A layer whose sizes are not multiples of 16 is an error naming it (no silent bf16 path).
+
+def use_fp8_gemms(draft: nn.Module, skip: tuple[str, ...] = SKIPPED,
+                  recipe: str = ROWWISE) -> list[str]:
+    """Convert the draft's linear layers (but `skip`) to Fp8Linear in place with `recipe`
+    (eagle3/train/fp8_scaling.py); returns their names.
+
+    A layer whose sizes are not multiples of 16 (of the tile, for a tile/block recipe on its
+    kernel) is an error naming it (no silent bf16 path).
     """
+    tile = parse_recipe(recipe).tile
+    weights = [p for p in draft.parameters()]
+    emulate = bool(weights) and _needs_emulation(recipe, weights[0].device)
+    align = ALIGN if emulate or not tile else max(ALIGN, tile)
     converted = []
     for name, module in draft.named_modules():
         if type(module) is not nn.Linear or name.split(".")[-1] in skip:
             continue
-        bad = [d for d in (module.in_features, module.out_features) if d % ALIGN]
+        bad = [d for d in (module.in_features, module.out_features) if d % align]
         if bad:
             raise ValueError(f"--fp8-gemm: layer {name} is {module.in_features} -> "
-                             f"{module.out_features}; FP8 GEMMs need multiples of {ALIGN}: "
-                             f"use --fp8-gemm off")
+                             f"{module.out_features}; FP8 GEMMs ({recipe}) need multiples of "
+                             f"{align}: use --fp8-gemm off")
         module.__class__ = Fp8Linear
-        module.attach()
+        module.attach(recipe, emulate)
         converted.append(name)
     return converted

@@ -279,17 +279,10 @@ def test_04_with_fp8_gemms_compiled_and_fused_adamw_learns_like_the_fp32_run(
     plain, _ = th.run_tiny(tiny_data, tmp_path / "plain", kv_heads=2, fp8_gemm="off", epochs=3)
     assert plain["fp8_gemm"] is False and calls["n"] == n  # off: not one fp8 GEMM
     # fp8 learns as much as the fp32 run (within 10% of its eval-loss drop) and ends close to it
-    start = first_eval_loss(tmp_path / "plain")
-    assert first_eval_loss(tmp_path / "fp8") == pytest.approx(start, rel=1e-6)
+    start = th.first_eval_loss(tmp_path / "plain")
+    assert th.first_eval_loss(tmp_path / "fp8") == pytest.approx(start, rel=1e-6)
     assert start - fp8["eval_loss"][0] > 0.9 * (start - plain["eval_loss"][0]) > 0
     assert abs(fp8["eval_loss"][0] - plain["eval_loss"][0]) < 0.01 * plain["eval_loss"][0]
-
-
-def first_eval_loss(out_dir: Path) -> float:
-    import json
-
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return next(r["eval_loss"][0] for r in rows if "eval_loss" in r)
 
 
 def test_a_backward_graph_cut_stops_04_at_its_first_step_naming_the_parameters(
