@@ -153,14 +153,17 @@ class CheckpointWriter:
             self.wait()
         self.blocked_s.append(time.perf_counter() - t0)
 
-    def wait(self) -> None:
-        """Join the write in flight; raise what it raised."""
+    def wait(self, raise_error: bool = True) -> None:
+        """Join the write in flight; raise what it raised (only log it: `raise_error=False`,
+        when the loop is already stopping on another error)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise error
+            if raise_error:
+                raise error
+            log.error("the checkpoint write in flight failed too: %s", error)
 
     def _write(self, root, step, payload, config, keep_latest, done) -> None:
         t0 = time.perf_counter()

@@ -276,36 +276,40 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
              rt.attention, "compiled" if rt.compile else "eager",
              f"fp8 in {len(fp8_layers)} layers (lm_head not)" if fp8_layers else
              ("bf16" if rt.bf16 else "fp32"))
-    for step in range(state.step, num_steps + 1):
-        last_step = step == num_steps
-        lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        due = last_step or step % cfg.eval_every == 0
-        if due and not (resumed and step == start_step):  # done before that save
-            raise_if_nonfinite(bad_step)
-            last_eval = _run_eval(run, step)
-        if step > start_step and (last_step or step % cfg.save_every == 0):
-            raise_if_nonfinite(bad_step)
-            state.step, state.ema_loss, state.nonfinite_step = step, float(ema), int(bad_step)
-            state.last_eval = last_eval
-            _save(run, step, state, window)
-        if last_step:
-            break
-        step_loss = _micro_steps(run, window)
-        if step == start_step:
-            raise_if_gradient_missing(draft, rt.fp8)
-        grad_norm = clip_gradients(optimizer, cfg.max_grad_norm, step, bad_step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if rt.dist.enabled:  # the mean over ranks (a device collective, no host sync)
-            step_loss = distributed.all_reduce_sum(step_loss) / rt.dist.world
-        ema.mul_(0.9).add_(0.1 * step_loss)  # debiased by the global step count when logged
-        window.steps += 1
-        if (step + 1) % cfg.log_every == 0 or step + 1 == num_steps:
-            raise_if_nonfinite(bad_step)
-            state.tokens += _log_window(run, step + 1, window, ema, grad_norm, lr)
-            window = Window(cfg.ttt_steps, rt.device)
+    try:
+        for step in range(state.step, num_steps + 1):
+            last_step = step == num_steps
+            lr = lr_at(step, num_steps, cfg.lr, warmup, cfg.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            due = last_step or step % cfg.eval_every == 0
+            if due and not (resumed and step == start_step):  # done before that save
+                raise_if_nonfinite(bad_step)
+                last_eval = _run_eval(run, step)
+            if step > start_step and (last_step or step % cfg.save_every == 0):
+                raise_if_nonfinite(bad_step)
+                state.step, state.ema_loss, state.nonfinite_step = step, float(ema), int(bad_step)
+                state.last_eval = last_eval
+                _save(run, step, state, window)
+            if last_step:
+                break
+            step_loss = _micro_steps(run, window)
+            if step == start_step:
+                raise_if_gradient_missing(draft, rt.fp8)
+            grad_norm = clip_gradients(optimizer, cfg.max_grad_norm, step, bad_step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if rt.dist.enabled:  # the mean over ranks (a device collective, no host sync)
+                step_loss = distributed.all_reduce_sum(step_loss) / rt.dist.world
+            ema.mul_(0.9).add_(0.1 * step_loss)  # debiased by the global step count when logged
+            window.steps += 1
+            if (step + 1) % cfg.log_every == 0 or step + 1 == num_steps:
+                raise_if_nonfinite(bad_step)
+                state.tokens += _log_window(run, step + 1, window, ema, grad_norm, lr)
+                window = Window(cfg.ttt_steps, rt.device)
+    except BaseException:  # a signal, a bad batch: the checkpoint in flight is finished first
+        run.writer.wait(raise_error=False)
+        raise
     run.writer.wait()  # the last checkpoint is on disk before the stage exports or ends
     metrics.close()
     history = run.clock.history

@@ -165,3 +165,19 @@ def test_background_writer_error_reaches_the_loop_and_keeps_the_last_checkpoint(
     writer.save(tmp_path, 6, _state(6), CONFIG, keep_latest=2)  # space is back
     writer.wait()
     assert complete_steps(tmp_path) == [3, 6] and not list(tmp_path.glob(".tmp_*"))
+
+
+def test_background_writer_error_is_only_logged_when_the_loop_is_already_stopping(
+        tmp_path, monkeypatch, caplog):
+    """The loop stops on another error (a signal) while a write fails: the write in flight is
+    joined and its error logged, so that the loop's own error is the one raised."""
+    from eagle3.train.checkpoint import CheckpointWriter
+    from tests.fault_helpers import full_disk_shim
+
+    writer = CheckpointWriter()
+    with full_disk_shim(monkeypatch, after_bytes=100, under=tmp_path):
+        writer.save(tmp_path, 3, _state(3), CONFIG, keep_latest=2)
+        writer.wait(raise_error=False)
+    assert "the checkpoint write in flight failed too" in caplog.text
+    assert complete_steps(tmp_path) == []
+    writer.wait()  # nothing left to raise
