@@ -3,8 +3,9 @@
 
 Answers are a pure function of the request (`fake_output`), so a test knows the exact tokens a
 record must hold, and a resumed run must reproduce an uninterrupted one. Faults are drawn per
-request from a seeded generator: HTTP 500s, dropped connections, requests that never answer
-(the client's timeout fires), slow answers, aborted generations, and per-record failures
+request from a generator seeded with (seed, request id, its count), however they interleave:
+HTTP 500s, dropped connections, requests that never answer (the client's timeout fires), slow
+answers, aborted generations, and per-record failures
 (always 500, or a truncated prompt). `stop()` then `start()` on the same port is a restart.
 
 In a test (the server runs in a background thread with its own event loop):
@@ -81,7 +82,7 @@ class FakeSGLang:
         self.drawn: list[str] = []  # every fault kind as drawn, also of requests still hanging
         self.inflight = 0
         self.max_inflight = 0
-        self._rng = random.Random(self.faults.seed)
+        self._seen: dict[str, int] = {}  # request id -> requests with it so far
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
 
@@ -148,14 +149,18 @@ class FakeSGLang:
         a test inspects `requests` shows up as "hang"."""
         f = self.faults
         base = rid.split("~")[0]
+        # drawn from (seed, request id, how often that id came): the same faults however the
+        # requests interleave; a retry draws afresh
+        seen = self._seen[rid] = self._seen.get(rid, 0) + 1
+        rng = random.Random(f"{f.seed}/{rid}/{seen}")
         lo, hi = f.delay_s
         if hi > 0:
-            await asyncio.sleep(self._rng.uniform(lo, hi))
+            await asyncio.sleep(rng.uniform(lo, hi))
         if base in f.fail_ids:
             entry["kind"] = "fail_id"
             self.drawn.append("fail_id")
             return "fail_id", web.Response(status=500, text=f"injected failure for {base}")
-        r = self._rng.random()
+        r = rng.random()
         for kind, rate in (("error", f.error_rate), ("drop", f.drop_rate),
                            ("hang", f.hang_rate), ("slow", f.slow_rate),
                            ("abort", f.abort_rate)):
