@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from bench_fake_server import FakeBenchServer, fake_output_ids, verify_count
+from bench_helpers import make_tiny_draft
 
 from eagle3.bench.measure import LoadSettings, RequestRecord, combine, percentile, summarize_level
 from eagle3.bench.prompts import BUILTIN_SETS, PromptSet, load_prompt_set
@@ -126,18 +127,7 @@ def test_measure_server_has_no_ttft_when_not_streaming():
 @pytest.fixture(scope="module")
 def tiny_draft(tiny_target_dir, tmp_path_factory) -> Path:
     """An untrained draft for the tiny target, exported as SGLang loads it."""
-    from eagle3.core.target import default_capture_layers, read_target_info
-    from eagle3.draft.export import export_sglang
-    from eagle3.draft.model import DraftConfig, Eagle3Draft
-
-    info = read_target_info(tiny_target_dir)
-    cfg = DraftConfig(hidden_size=info.hidden_size, num_attention_heads=4, num_key_value_heads=4,
-                      head_dim=16, intermediate_size=128, vocab_size=info.vocab_size,
-                      draft_vocab_size=info.vocab_size, target_hidden_size=info.hidden_size,
-                      capture_layers=default_capture_layers(info.num_hidden_layers))
-    draft = Eagle3Draft(cfg)
-    draft.t2d.fill_(True)
-    return export_sglang(draft, tmp_path_factory.mktemp("draft") / "final")
+    return make_tiny_draft(tiny_target_dir, tmp_path_factory.mktemp("draft") / "final")
 
 
 def _bench(argv):
