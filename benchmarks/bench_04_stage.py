@@ -9,22 +9,25 @@ the functions 02b writes with, `index.jsonl` with each file's sha256, complete m
 hidden states are synthetic (a learnable rule: the final state at t+1 is the last aux state at
 t) and the sample lengths are drawn between --min-tokens and --max-tokens. Then it runs
 
-    04_train.py --preset kimi-k2.5 --device cuda --lr 1e-4 --grad-accum 2 [--epochs E]
-                --max-eval-samples 32
+    04_train.py --preset kimi-k2.5 --device cuda --lr 1e-4 --grad-accum 2 --num-workers 4
+                [--epochs E] --max-eval-samples 32
 
 which is the plan's command (train_plan_v4.md, step 7) for one GPU: the plan's eval (256
 samples every 100 steps) is split over its 8 ranks, 32 samples each, so a one-GPU run evaluates
-32 samples to spend per step what each of the plan's ranks spends; saves every 500 steps, rows
-of 8192 tokens, compiled, 2 loader workers: 04's defaults, as in the plan.
+32 samples to spend per step what each of the plan's ranks spends; saves every 500 steps and
+compiles, 04's defaults, as in the plan. Rows are as wide as the longest sample (--max-tokens,
+8192 by default: the plan's --max-seq-len).
 
 Figures (`$OUT/bench_04_stage.json`): `stage_tokens_per_s` = tokens trained / the process's wall
 time (start-up, compile, evals, checkpoints, export included); `step_tokens_per_s` = the rate of
 its training windows after the first (evals and checkpoint copies left out: the step rate as
 the stage ran it); their ratio; and where the rest went (04's manifest `timings`).
 
-One H200 (the figures in BENCHMARKS.md, "Whole stage"; ~18 GB of files, ~14 minutes; started
-detached, since a device command lasts 10 minutes at most, then followed through status.json):
-    setsid nohup python3 benchmarks/bench_04_stage.py --out /tmp/b04 > /tmp/b04.log 2>&1 &
+One H200 (BENCHMARKS.md, "The whole stage, end to end", ran it with 5,120-token samples;
+started detached, since a device command lasts 10 minutes at most, then followed through
+status.json):
+    setsid nohup python3 benchmarks/bench_04_stage.py --out /tmp/b04 --files 60 --epochs 48 \
+        --max-tokens 5120 > /tmp/b04.log 2>&1 &
 CPU smoke test (tiny target dimensions):
     python3 benchmarks/bench_04_stage.py --tiny --files 24 --epochs 2
 """
@@ -61,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--files", type=int, default=110, help="train files (samples)")
     p.add_argument("--eval-files", type=int, default=32)
     p.add_argument("--min-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=5120)
+    p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--workdir", type=Path, default=None, help="default: a folder under $OUT")
     p.add_argument("--out", type=Path, default=None, help="results (default: $OUT or bench_out)")
@@ -144,7 +147,7 @@ def train_command(work: Path, args) -> list[str]:
                 "--num-workers", "1"]
     else:
         cmd += ["--preset", "kimi-k2.5", "--device", "cuda", "--grad-accum", "2",
-                "--max-eval-samples", "32"]
+                "--num-workers", "4", "--max-eval-samples", "32"]
     return cmd + args.train_args.split()
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from eagle3.core.faults import Interrupted, StopSignals
 from eagle3.core.preflight import PreflightError
-from eagle3.core.server import RETRY_STATUS, ServerError, TransientError
+from eagle3.core.server import RETRY_STATUS, RetryPolicy, ServerError, TransientError
 from eagle3.core.stage import StageError
 
 log = logging.getLogger(__name__)
@@ -112,12 +111,13 @@ def is_retryable(e: BaseException) -> bool:
 async def with_retries(attempt: Callable[[int], Awaitable[Any]], retries: int, delay_s: float,
                        what: str) -> tuple[Any, int]:
     """(answer, attempts) of `attempt(n)` (n = 0, 1, ...), retried `retries` times with
-    exponential backoff from `delay_s` (x0.5-1.5 jitter) on a retryable error; then
+    core/server.py's backoff (doubling from `delay_s`, jittered) on a retryable error; then
     RequestFailed naming `what` and the last error."""
     last: BaseException | None = None
+    policy = RetryPolicy(base_delay_s=delay_s, timeout_s=0.0, max_retries=retries)  # backoff
     for n in range(retries + 1):
         if n:
-            await asyncio.sleep(delay_s * 2 ** (n - 1) * (0.5 + random.random()))
+            await asyncio.sleep(policy.delay_s(n))
         try:
             return await attempt(n), n + 1
         except (ServerError, asyncio.TimeoutError) as e:

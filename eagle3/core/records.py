@@ -148,3 +148,33 @@ def validate_tokenized(rec: dict) -> dict:
     if sum(rec["loss_mask"]) == 0:
         raise RecordError(f"record {rid}: no supervised token (loss_mask all 0)")
     return rec
+
+
+def tokenized_problem(rec, vocab_size: int | None = None) -> str | None:
+    """Why `rec` cannot be read as a tokenized record (`kind: detail`, the kind one of `bad
+    record`, `bad input_ids`, `bad loss_mask`, `bad seq_len`), None when it can: the one check of
+    a tokenized line that the merge, 02b and 03 run on what they read. Token ids are ints (a
+    float, a string or a JSON true is no token id), non-negative and, given `vocab_size`, below
+    it; `loss_mask` has one 0 or 1 per id; `seq_len`, when present, is their number."""
+    if not isinstance(rec, dict):
+        return f"bad record: a JSON {type(rec).__name__}, not an object"
+    rid = rec.get("id")
+    if not isinstance(rid, str) or not rid:
+        return f"bad record: id {rid!r} is not a non-empty string"
+    ids, mask = rec.get("input_ids"), rec.get("loss_mask")
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        return f"bad input_ids: record {rid}: missing, empty or not a list of ints"
+    if min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
+        i = next(i for i, t in enumerate(ids) if t < 0 or (vocab_size and t >= vocab_size))
+        return (f"bad input_ids: record {rid}: input_ids[{i}] = {ids[i]} is not a token id of "
+                f"the target (vocabulary {vocab_size}); wrong --target?")
+    if not isinstance(mask, list) or len(mask) != len(ids):
+        got = len(mask) if isinstance(mask, list) else type(mask).__name__
+        return f"bad loss_mask: record {rid}: {got} values for {len(ids)} input_ids"
+    if not all(type(m) is int and m in (0, 1) for m in mask):
+        return f"bad loss_mask: record {rid}: values other than 0 and 1"
+    seq_len = rec.get("seq_len", len(ids))
+    if type(seq_len) is not int or seq_len != len(ids):
+        return f"bad seq_len: record {rid}: {seq_len!r} for {len(ids)} input_ids"
+    return None
+

@@ -27,6 +27,7 @@ import torch
 
 from eagle3.core import hidden_states as hs
 from eagle3.core.faults import BadRecords
+from eagle3.core.records import tokenized_problem
 
 log = logging.getLogger(__name__)
 
@@ -42,27 +43,9 @@ def skip_key(split: str, record_id: str) -> str:
 
 def record_problem(rec, vocab_size: int) -> str | None:
     """Why a parsed merged line cannot be extracted (`kind: detail`), None when it can."""
-    if not isinstance(rec, dict):
-        return f"bad record: a JSON {type(rec).__name__}, not an object"
-    if not isinstance(rec.get("id"), str) or not rec["id"]:
-        return "bad record: no string id"
-    if "source" not in rec:
+    if isinstance(rec, dict) and "source" not in rec:
         return "bad record: no source"
-    ids, mask = rec.get("input_ids"), rec.get("loss_mask")
-    if not isinstance(ids, list) or not ids:
-        return "bad input_ids: missing, not a list or empty"
-    if not isinstance(mask, list) or len(mask) != len(ids):
-        got = len(mask) if isinstance(mask, list) else type(mask).__name__
-        return f"bad loss_mask: {got} entries for {len(ids)} input_ids"
-    if rec.get("seq_len", len(ids)) != len(ids):
-        return f"bad seq_len: {rec['seq_len']} for {len(ids)} input_ids"
-    for i, t in enumerate(ids):
-        if type(t) is not int or not 0 <= t < vocab_size:
-            return (f"bad input_ids: input_ids[{i}] = {t!r} is not a token id of the target "
-                    f"(vocabulary {vocab_size})")
-    if any(m not in (0, 1) or type(m) is not int for m in mask):
-        return "bad loss_mask: values other than 0 and 1"
-    return None
+    return tokenized_problem(rec, vocab_size)
 
 
 def read_split(path: Path, split: str, vocab_size: int, bad: BadRecords) -> list[dict | None]:

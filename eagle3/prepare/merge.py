@@ -34,7 +34,7 @@ import numpy as np
 
 from eagle3.core.faults import InputFileError
 from eagle3.core.progress import progress
-from eagle3.core.records import RecordError, count_jsonl, validate_tokenized
+from eagle3.core.records import RecordError, count_jsonl, tokenized_problem, validate_tokenized
 from eagle3.core.stage import atomic_writer
 
 log = logging.getLogger(__name__)
@@ -192,31 +192,14 @@ def parse_line(line: bytes) -> tuple[dict | None, str | None]:
         rec = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return None, f"bad JSON: {e}"
+    problem = tokenized_problem(rec)
+    if problem is not None:
+        return None, f"bad record: {problem}"
     try:
-        check_token_fields(rec)
-        validate_tokenized(rec)
+        validate_tokenized(rec)  # the fields 01b writes, a supervised token
     except RecordError as e:
         return None, f"bad record: {e}"
     return rec, None
-
-
-def check_token_fields(rec) -> None:
-    """RecordError unless `rec` is an object whose id is a string, whose `input_ids` are
-    non-negative ints, `loss_mask` ints and `seq_len` an int (validate_tokenized checks the rest:
-    the fields present, the lengths agree, the mask is 0/1 with a supervised token)."""
-    if not isinstance(rec, dict):
-        raise RecordError(f"not a JSON object but {type(rec).__name__}")
-    rid = rec.get("id")
-    if not isinstance(rid, str) or not rid:
-        raise RecordError(f"id {rid!r} is not a non-empty string")
-    ids, mask = rec.get("input_ids"), rec.get("loss_mask")
-    # type(t) is int: a float, a string or a JSON true is no token id (bool is an int subclass)
-    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
-        raise RecordError(f"record {rid}: input_ids missing or not a list of non-negative ints")
-    if not isinstance(mask, list) or not all(type(m) is int for m in mask):
-        raise RecordError(f"record {rid}: loss_mask missing or not a list of ints")
-    if type(rec.get("seq_len")) is not int:
-        raise RecordError(f"record {rid}: seq_len missing or not an int")
 
 
 def _index(rec: dict, source: str, k: int, offset: int, max_seq_len: int,

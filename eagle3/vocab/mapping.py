@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from eagle3.core.faults import BadRecords
-from eagle3.core.records import read_jsonl
+from eagle3.core.records import read_jsonl, tokenized_problem
 from eagle3.core.stage import STAGE_DIRS, read_manifest
 
 MAPPING_FILE = "vocab_mapping.safetensors"  # 03's output, in 03_vocab/
@@ -92,40 +92,15 @@ def count_supervised_by_origin(path: Path, target_vocab: int, regenerated: dict[
     return counts
 
 
-def record_problem(rec, target_vocab: int) -> str | None:
-    """Why a merged record cannot be counted (`kind: detail`), None when it can. Checked with
-    numpy, one pass per list (merged files reach billions of tokens)."""
-    if not isinstance(rec, dict):
-        return f"wrong type: a JSON {type(rec).__name__}, not an object"
-    arrays = {}
-    for name in ("input_ids", "loss_mask"):
-        value = rec.get(name)
-        arr = np.asarray(value) if isinstance(value, list) else None
-        if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            return f"wrong type: {name} is not a list of integers"
-        arrays[name] = arr
-    ids, mask = arrays["input_ids"], arrays["loss_mask"]
-    if ids.size != mask.size:
-        return (f"length mismatch: {ids.size} input_ids but {mask.size} loss_mask values "
-                "(re-run the stage that wrote it)")
-    if mask.size and (mask.min() < 0 or mask.max() > 1):
-        return "wrong type: loss_mask holds values other than 0 and 1"
-    if ids.size and (ids.max() >= target_vocab or ids.min() < 0):
-        worst = ids.max() if ids.max() >= target_vocab else ids.min()
-        return (f"id out of vocab: token id {worst} outside the target vocab of "
-                f"{target_vocab} (wrong --target?)")
-    return None
-
-
 def _good_records(path: Path, target_vocab: int, bad: BadRecords | None, bar):
-    """The records of a merged JSONL that pass `record_problem`; the others go to `bad` under
+    """The records of a merged JSONL that pass `tokenized_problem`; the others go to `bad` under
     their id (`line N` when the line has none), or raise when `bad` is None."""
     if bad is None:
         lines = ((n, rec, None) for n, rec in enumerate(read_jsonl(path), start=1))
     else:
         lines = _parsed_lines(path)
     for n, rec, parse_problem in lines:
-        problem = parse_problem or record_problem(rec, target_vocab)
+        problem = parse_problem or tokenized_problem(rec, target_vocab)
         if bar is not None:
             bar.update(1)
         if problem is None:

@@ -24,19 +24,19 @@ BAD_LINES = {
     "bad_json": ('{"id": "x", "input_ids": [1, 2\n', "bad json"),
     "torn_last_line": ('{"id": "x", "input_i', "torn line"),
     "ids_out_of_vocab": (json.dumps({**GOOD, "id": "big", "input_ids": [1, 2, 99]}) + "\n",
-                         "id out of vocab"),
+                         "bad input_ids"),
     "negative_id": (json.dumps({**GOOD, "id": "neg", "input_ids": [1, -2, 3]}) + "\n",
-                    "id out of vocab"),
+                    "bad input_ids"),
     "ids_are_strings": (json.dumps({**GOOD, "id": "str", "input_ids": ["1", "2", "3"]}) + "\n",
-                        "wrong type"),
+                        "bad input_ids"),
     "ids_are_floats": (json.dumps({**GOOD, "id": "flt", "input_ids": [1.5, 2, 3]}) + "\n",
-                       "wrong type"),
-    "ids_missing": (json.dumps({"id": "none", "loss_mask": [1]}) + "\n", "wrong type"),
-    "not_an_object": ("[1, 2, 3]\n", "wrong type"),
+                       "bad input_ids"),
+    "ids_missing": (json.dumps({"id": "none", "loss_mask": [1]}) + "\n", "bad input_ids"),
+    "not_an_object": ("[1, 2, 3]\n", "bad record"),
     "mask_not_binary": (json.dumps({**GOOD, "id": "m2", "loss_mask": [0, 2, 1]}) + "\n",
-                        "wrong type"),
+                        "bad loss_mask"),
     "mask_length_differs": (json.dumps({**GOOD, "id": "len", "loss_mask": [1, 1]}) + "\n",
-                            "length mismatch"),
+                            "bad loss_mask"),
 }
 
 
@@ -92,7 +92,7 @@ def test_03_counts_bad_lines_in_summary_report_and_manifest(tmp_path, tiny_targe
     manifest = json.loads((work / "03_vocab/manifest.json").read_text())
     for where in (report, manifest["outputs"]):
         assert where["skipped"] == 3
-        assert where["skip_reasons"] == {"bad json": 1, "id out of vocab": 1, "wrong type": 1}
+        assert where["skip_reasons"] == {"bad json": 1, "bad input_ids": 2}
     assert report["supervised_tokens"] == 40  # 20 good lines x 2 supervised tokens
 
 
