@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from eagle3.core.stage import STAGE_DIRS, atomic_writer, read_manifest
+from eagle3.core.faults import InputFileError
+from eagle3.core.stage import STAGE_DIRS, atomic_writer, file_sha256, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -301,12 +303,6 @@ def capture_hf(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tenso
 # split's index), `nonfinite_problem` (a NaN/Inf value anywhere). Each turns what is wrong into
 # an `InputFileError` naming the file (its `problem` starts with a kind: `unreadable`, `missing`,
 # `wrong dtype`, `wrong shape`, `wrong layout`, `checksum mismatch`, `non-finite`).
-
-import math  # noqa: E402  (this section's own imports, kept with it)
-from dataclasses import dataclass  # noqa: E402
-
-from eagle3.core.faults import InputFileError  # noqa: E402
-from eagle3.core.stage import file_sha256  # noqa: E402
 
 # dtypes of each layout's hidden_states tensors (aux captures, then the final state)
 _LAYOUT_DTYPES = {"bf16": [torch.bfloat16] * 4,
