@@ -1,10 +1,11 @@
 # make demo: the whole pipeline on SmolLM2-135M-Instruct, a real instruct model (CPU, ~12 min).
+# make demo-stream: the same with 02b and 04 running at once (stream mode, bounded spool).
 # make demo-tiny: the same on the embedded tiny target (random weights; CPU, a few minutes).
 # make test: the test suite (installs the test-only extras first).
 # make lint: ruff (pinned in requirements-test.txt) over the tree, as CI runs it.
 PY ?= python3
 
-.PHONY: install install-test install-vllm demo demo-tiny test lint
+.PHONY: install install-test install-vllm demo demo-stream demo-tiny test lint
 install: .installed
 .installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
@@ -37,6 +38,10 @@ $(VLLM_VENV)/.installed:
 
 demo: install
 	bash demo_smollm2.sh runs/smollm2
+
+# the same with 02b and 04 at the same time, the hidden states streamed through a bounded spool
+demo-stream: install
+	bash demo_smollm2.sh --stream runs/smollm2-stream
 
 demo-tiny: install
 	bash demo.sh runs/demo

@@ -36,7 +36,13 @@ def _outputs(stage: str, m: dict, workdir: Path) -> str:
     if stage == STAGE_DIRS["merge"]:
         return f"train {out.get('train')}, eval {out.get('eval')}"
     if stage == STAGE_DIRS["02b"]:
-        return ", ".join(f"{k}: {v['samples']}" for k, v in out.items())
+        text = ", ".join(f"{k}: {v['samples']}" for k, v in out.items())
+        stream = m.get("stream")
+        if stream:  # the train split went through the spool, which is empty now
+            text += (f"; train streamed to 04: spool peak {human_bytes(stream['peak_bytes'])} "
+                     f"of {human_bytes(stream['budget_bytes'])}, prefill "
+                     f"{stream['prefill_passes']:.2f} passes for {stream['epochs']} epochs")
+        return text
     if stage == STAGE_DIRS["03"]:
         return f"draft vocab {out.get('draft_vocab')}, coverage {out.get('coverage', 0):.3f}"
     if stage == STAGE_DIRS["04"]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from eagle3.core.cli import UpstreamStageFlags, arg
 from eagle3.core.hidden_states import DTYPES
+from eagle3.core.spool import SPOOL_DIR
 from eagle3.core.target import TRUST_HELP, check_remote_code
 from eagle3.extract.sglang_dump import DEFAULT_RID_PREFIX
 
@@ -53,6 +54,16 @@ class ExtractConfig(UpstreamStageFlags):
     max_batch_size: int = arg(64, "hf: records per forward pass (1 = each record alone)")
     model_dtype: str = arg("float32", "hf: dtype the target runs in")
     device: str = arg("cpu", "hf: torch device")
+    stream: bool = arg(False, "stream mode: hand the train split to a `04_train.py --stream` "
+                              "running at the same time, through --spool, in 04's reading "
+                              "order, deleting each file once read (the other splits are "
+                              "written as usual first); eagle3/extract/stream.py")
+    spool: Path | None = arg(None, "stream: the spool folder (default <workdir>/02b_spool); "
+                                   "the same path for 04; a shared filesystem works between "
+                                   "an extraction node and a training node")
+    spool_gb: float = arg(50.0, "stream: the most the spool holds, GB (1e9 bytes); beyond the "
+                                "working window, records are kept for later epochs instead of "
+                                "being extracted again")
 
     def __post_init__(self):
         if self.backend == "hf" or self.verify_against_hf:  # transformers loads the target
@@ -69,8 +80,16 @@ class ExtractConfig(UpstreamStageFlags):
             raise ValueError("--concurrency, --verify-against-hf and --disk-margin must be >= 0")
         if self.max_bad < -1:
             raise ValueError("--max-bad must be >= 0, or -1 for no limit")
+        if self.stream and "train" not in self.splits:
+            raise ValueError("--stream streams the train split: keep 'train' in --splits")
+        if self.spool_gb <= 0:
+            raise ValueError("--spool-gb must be > 0")
         if self.teacher_topk < 1:
             raise ValueError("--teacher-topk must be >= 1 (64 keeps Kimi-K2.5 under 22 KB/token)")
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.spool if self.spool is not None else self.workdir / SPOOL_DIR
 
     @property
     def topk(self) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from eagle3.core.cli import UpstreamStageFlags, arg
 from eagle3.core.presets import PRESETS, DraftShape, check_target, get_preset
+from eagle3.core.spool import SPOOL_DIR
 from eagle3.draft.mla import mla_draft_config, read_mla_dims
 from eagle3.draft.model import DraftConfig
 from eagle3.train.fp8 import MODES as FP8_MODES
@@ -75,6 +76,15 @@ class TrainConfig(UpstreamStageFlags):
                                       "renorm = top-k renormalised to 1; tail = the rest of "
                                       "the mass as one bucket", choices=list(TOPK_MODES))
 
+    stream: bool = arg(False, "stream mode: train while `02b ... --stream` extracts, reading "
+                              "the train split from --spool in the order this run publishes "
+                              "there (eagle3/train/stream.py); start both, in either order")
+    spool: Path | None = arg(None, "stream: the spool folder (default <workdir>/02b_spool), "
+                                   "the same as 02b's")
+    gpu_memory_fraction: float = arg(0.0, "cuda: the most of each GPU's memory this run's "
+                                          "allocator takes (0 = no limit); for a trainer "
+                                          "colocated with the target server, whose "
+                                          "--mem-fraction-static takes the rest")
     max_bad: int = arg(10, "hidden-state files skipped as bad (missing, unindexed, unreadable, "
                            "wrong dtype/shape/layout, checksum mismatch, NaN/Inf) before the "
                            "stage stops naming 04_train/skipped.jsonl (-1 = no limit); a few "
@@ -83,6 +93,8 @@ class TrainConfig(UpstreamStageFlags):
     def __post_init__(self) -> None:
         if self.max_bad < -1:
             raise ValueError("--max-bad must be >= 0, or -1 for no limit")
+        if not 0 <= self.gpu_memory_fraction <= 1:
+            raise ValueError("--gpu-memory-fraction must be in [0, 1]")
         if self.ttt_steps < 1:
             raise ValueError("--ttt-steps must be >= 1")
         if self.grad_accum < 1 or self.epochs < 1:
@@ -90,6 +102,10 @@ class TrainConfig(UpstreamStageFlags):
         for name in ("eval_every", "save_every", "log_every", "keep_latest"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def spool_dir(cfg: TrainConfig) -> Path:
+    return cfg.spool if cfg.spool is not None else cfg.workdir / SPOOL_DIR
 
 
 def draft_shape(cfg: TrainConfig, info) -> DraftShape:

@@ -177,6 +177,7 @@ class SkipCountingLoader:
         self.loader = loader
         self.bad = getattr(files, "bad", None)
         self.stop = getattr(files, "stop", None)
+        self.on_row = getattr(files, "on_row", None)  # stream mode: report the position
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -188,6 +189,9 @@ class SkipCountingLoader:
                     self.bad.add(s["id"], s["reason"], s["file"])
                 else:
                     log.warning("skipped %s (%s): %s", s["id"], s["file"], s["reason"])
+            next_demand = row.pop("stream_next", None)
+            if next_demand is not None and self.on_row is not None:
+                self.on_row(next_demand)
             if self.stop is not None:
                 self.stop.check()  # between rows: the step in flight is abandoned
             yield row

@@ -54,6 +54,7 @@ from eagle3.train.fp8 import resolve_mode as resolve_fp8
 from eagle3.train.guards import raise_if_gradient_missing, raise_if_nonfinite
 from eagle3.train.log import MetricsLog, metrics_line
 from eagle3.train.optimizer import build_optimizer, clip_gradients
+from eagle3.train.stream import StreamRows
 from eagle3.train.ttt import TTTModel, num_stats, stats_dict
 
 __all__ = ["TrainConfig", "lr_at", "train", "build_draft", "build_draft_config", "list_files"]
@@ -109,6 +110,8 @@ def build_runtime(cfg: TrainConfig, device: torch.device, dist: DistInfo) -> Run
     # compiled is the fast path on CUDA (BENCHMARKS.md, training step); on CPU it only costs
     # compile time
     compile_forward = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    if cfg.gpu_memory_fraction and device.type == "cuda":  # colocated beside a target server
+        torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory_fraction, device)
     return Runtime(device, dist, bf16, attention, compile_forward,
                    resolve_fp8(cfg.fp8_gemm, device))
 
@@ -181,6 +184,7 @@ class TrainData:
     eval_files: list[Path]
     eval_lengths: list[int]
     teacher_topk: int = 0  # the largest K of the files' stored top-k teachers (0: none)
+    stream: bool = False  # train_files is a StreamFiles: rows come through the spool
 
 
 class Window:
@@ -259,9 +263,13 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     metrics = MetricsLog(out_dir, rt.dist.is_main, state.step if resumed else -1,
                          cfg.tensorboard)
     rows = [r for s in range(state.step, num_steps) for r in plan.rows_for(s, rt.dist.rank)]
-    feed = DevicePrefetcher(make_loader(PackedRows(data.train_files, rows, width,
-                                                   cfg.max_seq_len, data.teacher_topk),
-                                        cfg.num_workers, rt.device.type == "cuda"), rt.device)
+    if data.stream:  # the same rows, their files waited for in the spool (stream.py)
+        dataset = StreamRows(data.train_files, plan, state.step, rt.dist.rank, width,
+                             cfg.max_seq_len, data.teacher_topk)
+    else:
+        dataset = PackedRows(data.train_files, rows, width, cfg.max_seq_len, data.teacher_topk)
+    feed = DevicePrefetcher(make_loader(dataset, cfg.num_workers, rt.device.type == "cuda"),
+                            rt.device)
     window = Window(cfg.ttt_steps, rt.device, window_saved)
     ema = torch.tensor(state.ema_loss, device=rt.device)
     bad_step = torch.tensor(state.nonfinite_step, device=rt.device)

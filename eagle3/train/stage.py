@@ -22,11 +22,13 @@ from eagle3.core.faults import (
 )
 from eagle3.core.hidden_states import read_capture_layers
 from eagle3.core.progress import human_seconds, progress
+from eagle3.core.spool import Spool, wait_for_producer
 from eagle3.core.stage import (
     STAGE_DIRS,
     Stage,
     StageError,
     StageResult,
+    read_manifest,
     require_upstream,
     sweep_temp_files,
 )
@@ -35,7 +37,7 @@ from eagle3.draft.export import export_sglang
 from eagle3.draft.layers import describe_layers, layer_ids_for
 from eagle3.draft.speculators import export_speculators
 from eagle3.train import distributed
-from eagle3.train.config import TrainConfig, build_draft_config
+from eagle3.train.config import TrainConfig, build_draft_config, spool_dir
 from eagle3.train.data import check_teacher_vocab, records_of_step
 from eagle3.train.distributed import DistInfo
 from eagle3.train.files import check_split, load_checked_split, save_checked
@@ -57,6 +59,8 @@ class TrainStopped(StageError):
 def check_inputs(cfg: TrainConfig) -> list[int]:
     """02b and 03 complete, their captures servable: the capture layers, before any folder is
     made."""
+    if cfg.stream:
+        return _check_stream_inputs(cfg)
     for name in ("02b", "03"):
         folder = cfg.workdir / STAGE_DIRS[name]
         try:
@@ -64,10 +68,26 @@ def check_inputs(cfg: TrainConfig) -> list[int]:
         except json.JSONDecodeError as e:
             raise InputFileError(folder / "manifest.json", f"not valid JSON ({e}): edited or "
                                  f"damaged; re-run {name} to write it again") from e
+    if (read_manifest(cfg.workdir / STAGE_DIRS["02b"]) or {}).get("stream"):
+        raise StageError("02b ran with --stream: its train states went to a 04 --stream and "
+                         "were deleted once read. Run 04 with --stream beside 02b --stream, or "
+                         "re-run 02b without --stream (--force) to keep the files")
     capture_layers = read_capture_layers(cfg.workdir)
     if not capture_layers:
         raise StageError("02b_hidden_states/manifest.json names no capture_layers: re-run 02b")
     layer_ids_for(capture_layers, cfg.sglang_version)  # refuse an unservable layout up front
+    return capture_layers
+
+
+def _check_stream_inputs(cfg: TrainConfig) -> list[int]:
+    """Stream mode: 03 complete (02b is running); the capture layers from 02b's producer.json
+    (waits for 02b to start)."""
+    require_upstream(cfg.workdir / STAGE_DIRS["03"], cfg.allow_partial)
+    require_upstream(cfg.workdir / STAGE_DIRS["merge"], cfg.allow_partial)
+    with StopSignals(RESUME_HINT) as stop:
+        prod = wait_for_producer(Spool(spool_dir(cfg)), "capture_layers", stop.check)
+    capture_layers = list(prod["capture_layers"])
+    layer_ids_for(capture_layers, cfg.sglang_version)
     return capture_layers
 
 
@@ -86,9 +106,16 @@ def run(cfg: TrainConfig, stage: Stage | None, dist_info: DistInfo, device: torc
     embed = load_embedding(cfg.target)
     rt = build_runtime(cfg, device, dist_info)
     with StopSignals(RESUME_HINT) as stop:  # polled between files and between rows
-        data = load_data(cfg, stage_dir, dist_info.is_main, mapping["d2t"], info.hidden_size,
-                         capture_layers, stop)
+        if cfg.stream:
+            data = load_stream_data(cfg, stage_dir, dist_info, mapping["d2t"], info, stop)
+        else:
+            data = load_data(cfg, stage_dir, dist_info.is_main, mapping["d2t"],
+                             info.hidden_size, capture_layers, stop)
         summary = _train(cfg, stage_dir, data, (draft, embed, teacher, lm_head), rt)
+        producer = None
+        if cfg.stream:  # 02b's state before it may end and clear the spool
+            producer = Spool(spool_dir(cfg)).read_producer() or {}
+            data.train_files.finish()
     distributed.shutdown()
     if not dist_info.is_main:
         return None
@@ -100,6 +127,8 @@ def run(cfg: TrainConfig, stage: Stage | None, dist_info: DistInfo, device: torc
     plots = plot_metrics(stage_dir / "metrics.jsonl", stage_dir / "plots")
     for name in (STAGE_DIRS["02b"], STAGE_DIRS["03"]):
         stage.add_input(cfg.workdir / name)
+    if cfg.stream:
+        stage.add_input(cfg.workdir / STAGE_DIRS["merge"] / "train.jsonl")
     skips = BadRecords(stage_dir, -1).summary()  # every rank's lines, each record once
     stage.finish(outputs={"final": str(stage_dir / "final"), **summary, **skips},
                  extra={"draft_config": dcfg.to_dict(), "world_size": dist_info.world})
@@ -113,6 +142,7 @@ def run(cfg: TrainConfig, stage: Stage | None, dist_info: DistInfo, device: torc
             "draft (SGLang)": str(stage_dir / "final"),
             "draft (vLLM)": str(vllm_dir),
             "plots": f"{len(plots)} PNG in {stage_dir / 'plots'}",
+            **(_stream_rows(cfg, summary, producer) if cfg.stream else {}),
             "records skipped": (f"{skips['skipped']} {skips['skip_reasons']} "
                                 f"({skips['skip_list']})" if skips["skipped"] else "0"),
             "time": human_seconds(time.time() - t0)}
@@ -147,18 +177,59 @@ def _train(cfg: TrainConfig, stage_dir, data: TrainData, parts: tuple, rt) -> di
                            f"\"excluded\"}} to {stage_dir / SKIP_LIST} and resume") from e
 
 
+def _stream_rows(cfg: TrainConfig, summary: dict, prod: dict) -> dict:
+    """Stream mode's summary rows: where the rows came from, the spool's peak so far."""
+    return {"stream": (f"rows read from {spool_dir(cfg)}; waiting for 02b was "
+                       f"{100 * summary['data_wait']:.1f}% of the loop"),
+            "spool peak (so far; 02b's summary has the final)":
+                f"{prod.get('peak_bytes', 0) / 1e9:.3f} GB of {prod.get('budget_bytes', 0) / 1e9:g}"}
+
+
+def load_stream_data(cfg: TrainConfig, stage_dir, dist_info: DistInfo, d2t, info,
+                     stop: StopSignals) -> TrainData:
+    """Stream mode: the eval split as offline (02b writes it first), the train split as the
+    spool's StreamFiles; rank 0 publishes the plan (eagle3/train/stream.py)."""
+    from eagle3.train.stream import (
+        StreamFiles,
+        check_layout,
+        merged_train,
+        publish,
+        stream_plan,
+    )
+
+    spool = Spool(spool_dir(cfg))
+    prod = wait_for_producer(spool, "eval_ready", stop.check)
+    layers = list(prod["capture_layers"])
+    check_layout(prod, layers, info.hidden_size, vocab_sha256(d2t), spool)
+    evaluated = load_data(cfg, stage_dir, dist_info.is_main, d2t, info.hidden_size, layers,
+                          stop, splits=[s for s in ("eval",) if s in prod["offline_splits"]])
+    good, ids, lengths = merged_train(cfg.workdir, info.vocab_size)
+    if not good:
+        raise StageError(f"{cfg.workdir / STAGE_DIRS['merge'] / 'train.jsonl'} holds no "
+                         "valid record to train on")
+    _, plan = stream_plan(cfg, lengths, evaluated.eval_lengths, good, dist_info.world)
+    if dist_info.is_main:
+        publish(spool, plan)
+    files = StreamFiles(spool, plan, good, ids, dist_info.rank, info.hidden_size,
+                        BadRecords(stage_dir, cfg.max_bad), stop)
+    return TrainData(files, lengths, evaluated.eval_files, evaluated.eval_lengths,
+                     teacher_topk=max(evaluated.teacher_topk, int(prod.get("topk") or 0)),
+                     stream=True)
+
+
 def load_data(cfg: TrainConfig, stage_dir, is_main: bool, d2t, hidden_size: int,
-              capture_layers: list[int], stop: StopSignals | None = None) -> TrainData:
+              capture_layers: list[int], stop: StopSignals | None = None,
+              splits=("train", "eval")) -> TrainData:
     """Both splits' files as 02b's index lists them, each checked before the first step
     (eagle3/train/files.py): a bad one goes to the skip list, past --max-bad the stage stops.
     Rank 0 checks, the other ranks read its result; files of every layout mix, those with a
     top-k teacher must match the vocab."""
     root = cfg.workdir / STAGE_DIRS["02b"]
     bad = BadRecords(stage_dir, cfg.max_bad)
-    out, topk = {}, 0
+    out, topk = {s: ([], []) for s in ("train", "eval")}, 0
     if not is_main:
         distributed.barrier()  # rank 0 checks first; the others read its result
-    for split in ("train", "eval"):
+    for split in splits:
         checked = stage_dir / f"files_{split}.json"
         if is_main:
             bar = progress(total=_count_candidates(root / split), desc=f"04 check {split}",

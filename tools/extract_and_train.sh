@@ -1,0 +1,19 @@
+# Stages 02b, 03 and 04 of a demo script, which defines `extract`, `vocab` and `train` (each
+# its stage's command; extra flags are appended) and sets STREAM and SPOOL_GB:
+#   STREAM=0: 02b, 03, 04 one after the other;
+#   STREAM=1: 03 first, then 02b and 04 at the same time, the train split's hidden states
+#             streamed through a spool of at most SPOOL_GB (eagle3/extract/stream.py); 02b's
+#             summary and the run summary show the spool's peak.
+if [ "${STREAM:-0}" = 1 ]; then
+    vocab
+    extract --stream --spool-gb "$SPOOL_GB" &
+    producer=$!
+    trap 'kill "$producer" 2>/dev/null || true' EXIT  # 04 failed: 02b would wait for it
+    train --stream
+    wait "$producer"
+    trap - EXIT
+else
+    extract
+    vocab
+    train
+fi
