@@ -3,14 +3,21 @@
 #   STREAM=0: 02b, 03, 04 one after the other;
 #   STREAM=1: 03 first, then 02b and 04 at the same time, the train split's hidden states
 #             streamed through a spool of at most SPOOL_GB (eagle3/extract/stream.py); 02b's
-#             summary and the run summary show the spool's peak.
+#             summary and the run summary show the spool's peak. When either fails the other
+#             is stopped (it would wait for it).
 if [ "${STREAM:-0}" = 1 ]; then
     vocab
     extract --stream --spool-gb "$SPOOL_GB" &
     producer=$!
-    trap 'kill "$producer" 2>/dev/null || true' EXIT  # 04 failed: 02b would wait for it
-    train --stream
-    wait "$producer"
+    train --stream &
+    trainer=$!
+    trap 'kill "$producer" "$trainer" 2>/dev/null || true' EXIT
+    set +e
+    wait -n -p first "$producer" "$trainer"  # the first to end (bash >= 5.1)
+    rc=$?
+    set -e
+    [ "$rc" -eq 0 ] || exit "$rc"
+    if [ "$first" = "$producer" ]; then wait "$trainer"; else wait "$producer"; fi
     trap - EXIT
 else
     extract

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core import hidden_states as hs
-from eagle3.core.stage import atomic_write_json
+from eagle3.core.stage import StageError, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ SPOOL_DIR = "02b_spool"  # default place: <workdir>/02b_spool
 TOMBSTONE_SUFFIX = ".skip.json"
 
 
-class SpoolError(RuntimeError):
-    """The spool cannot be used as asked; the message names the file or flag."""
+class SpoolError(StageError):
+    """The spool cannot be used as asked, or the other side is gone; the message names the
+    file or flag."""
 
 
 @dataclass
@@ -150,9 +151,9 @@ class SpoolReader:
     """One 04 rank's side: waits for the files of its demands, reports how far it read."""
 
     def __init__(self, spool: Spool, plan: SpoolPlan, rank: int, poll_s: float = 0.2,
-                 log_every_s: float = 60.0):
+                 log_every_s: float = 60.0, give_up_s: float = 3600.0):
         self.spool, self.plan, self.rank = spool, plan, rank
-        self.poll_s, self.log_every_s = poll_s, log_every_s
+        self.poll_s, self.log_every_s, self.give_up_s = poll_s, log_every_s, give_up_s
         self.session = uuid.uuid4().hex[:12]
         self.num_demands = sum(len(r) for rows in plan.epochs for r in rows)
 
@@ -183,8 +184,21 @@ class SpoolReader:
                 last_log = now
                 log.warning("waiting %.0fs for 02b --stream: record %d of epoch %d (%s); %s",
                             now - t0, idx, epoch, path, self.producer_note())
+                if now - t0 > self.give_up_s and self.producer_silent_s() > self.give_up_s:
+                    raise SpoolError(f"02b --stream has not been heard from for "
+                                     f"{self.give_up_s:.0f}s (--stream-wait-s) while this run "
+                                     f"waits for {path}: start it again with the same --spool "
+                                     f"({self.producer_note()})")
             time.sleep(delay)
             delay = min(delay * 2, self.poll_s)
+
+    def producer_silent_s(self) -> float:
+        """Seconds since 02b's last heartbeat (inf without one)."""
+        try:
+            prod = self.spool.read_producer()
+        except SpoolError:
+            prod = None
+        return float("inf") if prod is None else time.time() - prod.get("t", 0)
 
     def producer_note(self) -> str:
         try:
@@ -200,8 +214,9 @@ class SpoolReader:
 
 
 def wait_for_producer(spool: Spool, want_key: str, stop_check=None, poll_s: float = 0.5,
-                      log_every_s: float = 60.0) -> dict:
-    """producer.json once its `want_key` is true (04 at start: 02b's layout and eval split)."""
+                      log_every_s: float = 60.0, give_up_s: float = 3600.0) -> dict:
+    """producer.json once its `want_key` is true (04 at start: 02b's layout and eval split);
+    SpoolError after `give_up_s` without a heartbeat."""
     t0 = last = time.monotonic()
     while True:
         prod = spool.read_producer()
@@ -211,9 +226,13 @@ def wait_for_producer(spool: Spool, want_key: str, stop_check=None, poll_s: floa
             stop_check()
         if time.monotonic() - last >= log_every_s:
             last = time.monotonic()
-            log.warning("waiting %.0fs for 02b --stream at %s (%s)", last - t0, spool.root,
-                        "no producer.json yet: start 02b with --stream and the same --spool"
-                        if prod is None else f"02b is {prod.get('state')}")
+            note = ("no producer.json yet: start 02b with --stream and the same --spool"
+                    if prod is None else f"02b is {prod.get('state')}")
+            log.warning("waiting %.0fs for 02b --stream at %s (%s)", last - t0, spool.root, note)
+            silent = last - t0 if prod is None else time.time() - prod.get("t", 0)
+            if last - t0 > give_up_s and silent > give_up_s:
+                raise SpoolError(f"02b --stream has not been heard from for {give_up_s:.0f}s "
+                                 f"(--stream-wait-s) at {spool.root}: {note}")
         time.sleep(poll_s)
 
 

@@ -61,6 +61,8 @@ class ExtractConfig(UpstreamStageFlags):
     spool: Path | None = arg(None, "stream: the spool folder (default <workdir>/02b_spool); "
                                    "the same path for 04; a shared filesystem works between "
                                    "an extraction node and a training node")
+    stream_wait_s: float = arg(3600.0, "stream: stop with an error after waiting this long "
+                                       "for a 04 that has not been heard from")
     spool_gb: float = arg(50.0, "stream: the most the spool holds, GB (1e9 bytes); beyond the "
                                 "working window, records are kept for later epochs instead of "
                                 "being extracted again")

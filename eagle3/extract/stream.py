@@ -108,6 +108,28 @@ def make_chunks(plan: SpoolPlan, lengths: dict[int, int], kept: set[int], max_to
     return chunks
 
 
+def choose_kept(plan: SpoolPlan, used: list[int], nbytes: dict[int, int], budget: int,
+                chunk_max: int) -> set[int]:
+    """Records kept in `keep/` for the later epochs: in index order while their bytes and the
+    working window of the others (a kept record's files cost nothing there: its bytes are in
+    `keep/`) fit in the budget; all of them when the split fits beside one chunk."""
+    if sum(nbytes[i] for i in used) + chunk_max <= budget:
+        return set(used)
+    kept: set[int] = set()
+    for _ in range(4):  # each pass frees window room for the next (a few converge)
+        window = window_bytes(plan, {i: 0 if i in kept else b for i, b in nbytes.items()})
+        room = budget - window - chunk_max - sum(nbytes[i] for i in kept)
+        grown = False
+        for i in used:
+            if i not in kept and nbytes[i] <= room:
+                kept.add(i)
+                room -= nbytes[i]
+                grown = True
+        if not grown:
+            break
+    return kept
+
+
 def window_bytes(plan: SpoolPlan, nbytes: dict[int, int]) -> int:
     """The most bytes any `lookahead_rows x world + 1` consecutive rows hold: what 04's ranks
     may have loaded ahead (each row's files are deleted as it is loaded, but 02b cannot tell
@@ -197,10 +219,11 @@ class Producer:
 
     def __init__(self, spool: Spool, stage_dir: Path, records: list[dict | None],
                  layout: dict, budget_bytes: int, bad: BadRecords, stop: StopSignals | None,
-                 backend, max_failures: int, poll_s: float = 0.2):
+                 backend, max_failures: int, poll_s: float = 0.2, give_up_s: float = 3600.0):
         self.spool, self.stage_dir, self.records = spool, stage_dir, records
         self.layout, self.budget, self.bad, self.stop = layout, budget_bytes, bad, stop
-        self.backend, self.poll_s = backend, poll_s
+        self.backend, self.poll_s, self.give_up_s = backend, poll_s, give_up_s
+        self._heard = (None, time.monotonic())  # 04's last state seen, and when it changed
         self.stats = StreamStats()
         self.live: dict[Path, tuple[int, int]] = {}  # demand file -> (pos, bytes not in keep/)
         self.keep_bytes = 0
@@ -267,6 +290,10 @@ class Producer:
             if self.stop is not None:
                 self.stop.check()
             self.heartbeat()
+            if time.monotonic() - t0 > self.give_up_s:
+                raise SpoolError(f"04 --stream has not written {self.spool.root / 'plan.json'} "
+                                 f"in {self.give_up_s:.0f}s (--stream-wait-s): start it with "
+                                 "--stream and the same --spool")
             if time.monotonic() - last >= 60:
                 last = time.monotonic()
                 log.warning("waiting %.0fs for 04 --stream to write %s (start 04 with --stream "
@@ -296,14 +323,12 @@ class Producer:
             raise SpoolError(
                 f"--spool-gb {self.budget / 1e9:g} is below the working window: 04 may hold "
                 f"{plan.lookahead_rows} rows a rank ahead ({plan.world} ranks) plus one chunk "
-                f"being written = {reserve / 1e9:.2f} GB at most; raise --spool-gb, or lower "
+                f"being written = {human_bytes(reserve)} at most; raise --spool-gb, or lower "
                 "04's --num-workers or 02b's --max-batch-tokens")
-        if len(plan.epochs) > 1:  # keep records for the later epochs while they fit
-            room = self.budget - reserve
-            for i in used:
-                if nbytes[i] <= room:
-                    self.kept.add(i)
-                    room -= nbytes[i]
+        if len(plan.epochs) > 1:
+            self.kept = choose_kept(plan, used, nbytes, self.budget, chunk_max)
+            reserve = window_bytes(plan, {i: 0 if i in self.kept else b
+                                          for i, b in nbytes.items()}) + chunk_max
         self.chunks = make_chunks(plan, lengths, self.kept, *chunk_limits)
         self.lengths = lengths
         self._row_starts = [p for starts in plan.row_starts() for p in starts]
@@ -354,6 +379,7 @@ class Producer:
                 consumers = self.spool.read_consumers(plan.world, plan.run)
                 if all(c is not None and c.get("done") for c in consumers):
                     break
+                self._check_heard(consumers)
                 need = min((c["next"] if c else 0) for c in consumers)
                 now_sessions = [c and c["session"] for c in consumers]
                 if now_sessions != sessions:  # a 04 rank (re)started: rewind to its position
@@ -372,9 +398,12 @@ class Producer:
                 chunk = self.chunks[k]
                 self.next = chunk.extract[0][0] if chunk.extract else chunk.link[0][0]
                 todo = self._todo(chunk, need)
+                # what the chunk will add: a kept record's first file too (into keep/);
+                # its links add nothing
                 est = sum(record_bytes(self.lengths[i], self.layout["hidden_size"],
                                        self.layout["dtype"], self.layout["topk"])
-                          for _, i in todo if i not in self.kept)
+                          for _, i in todo
+                          if not (i in self.kept and self.spool.keep_path(i).exists()))
                 if todo and self.bytes + est > self.budget:
                     self._evict_ahead(need, self.next, self.bytes + est - self.budget)
                 if todo and self.bytes + est > self.budget:
@@ -393,6 +422,17 @@ class Producer:
         self.state = "done"
         self.heartbeat(force=True)
         return self.stats
+
+    def _check_heard(self, consumers: list) -> None:
+        """SpoolError once 04's ranks have said nothing new for `give_up_s` (while this side
+        waits: it cannot tell a dead 04 from a slow one sooner)."""
+        seen = [c and (c["session"], c["next"], c.get("t")) for c in consumers]
+        if seen != self._heard[0]:
+            self._heard = (seen, time.monotonic())
+        elif time.monotonic() - self._heard[1] > self.give_up_s:
+            raise SpoolError(f"04 --stream has not read a row for {self.give_up_s:.0f}s "
+                             f"(--stream-wait-s; state: {self.state}): start it again with the "
+                             f"same --spool, or re-run this command once it runs")
 
     def _refresh(self, need: int) -> None:
         """Forget files 04 deleted; delete those no rank will read (below `need`)."""
@@ -452,7 +492,7 @@ def run_stream(cfg, stage_dir: Path, records: list[dict | None], layout: dict,
     """The train split through the spool; returns (the split's manifest outputs, extras)."""
     spool = Spool(cfg.spool_dir)
     producer = Producer(spool, stage_dir, records, layout, int(cfg.spool_gb * 1e9), bad, stop,
-                        backend, cfg.max_failures)
+                        backend, cfg.max_failures, give_up_s=cfg.stream_wait_s)
     limits = backend.chunk_limits()
     try:
         stats = producer.run(limits)

@@ -81,6 +81,9 @@ class TrainConfig(UpstreamStageFlags):
                               "there (eagle3/train/stream.py); start both, in either order")
     spool: Path | None = arg(None, "stream: the spool folder (default <workdir>/02b_spool), "
                                    "the same as 02b's")
+    stream_wait_s: float = arg(3600.0, "stream: stop with an error after waiting this long "
+                                       "for a 02b that has not been heard from (a restarted "
+                                       "02b is waited for until then)")
     gpu_memory_fraction: float = arg(0.0, "cuda: the most of each GPU's memory this run's "
                                           "allocator takes (0 = no limit); for a trainer "
                                           "colocated with the target server, whose "

@@ -85,7 +85,8 @@ def _check_stream_inputs(cfg: TrainConfig) -> list[int]:
     require_upstream(cfg.workdir / STAGE_DIRS["03"], cfg.allow_partial)
     require_upstream(cfg.workdir / STAGE_DIRS["merge"], cfg.allow_partial)
     with StopSignals(RESUME_HINT) as stop:
-        prod = wait_for_producer(Spool(spool_dir(cfg)), "capture_layers", stop.check)
+        prod = wait_for_producer(Spool(spool_dir(cfg)), "capture_layers", stop.check,
+                                 give_up_s=cfg.stream_wait_s)
     capture_layers = list(prod["capture_layers"])
     layer_ids_for(capture_layers, cfg.sglang_version)
     return capture_layers
@@ -198,7 +199,7 @@ def load_stream_data(cfg: TrainConfig, stage_dir, dist_info: DistInfo, d2t, info
     )
 
     spool = Spool(spool_dir(cfg))
-    prod = wait_for_producer(spool, "eval_ready", stop.check)
+    prod = wait_for_producer(spool, "eval_ready", stop.check, give_up_s=cfg.stream_wait_s)
     layers = list(prod["capture_layers"])
     check_layout(prod, layers, info.hidden_size, vocab_sha256(d2t), spool)
     evaluated = load_data(cfg, stage_dir, dist_info.is_main, d2t, info.hidden_size, layers,
@@ -211,7 +212,7 @@ def load_stream_data(cfg: TrainConfig, stage_dir, dist_info: DistInfo, d2t, info
     if dist_info.is_main:
         publish(spool, plan)
     files = StreamFiles(spool, plan, good, ids, dist_info.rank, info.hidden_size,
-                        BadRecords(stage_dir, cfg.max_bad), stop)
+                        BadRecords(stage_dir, cfg.max_bad), stop, cfg.stream_wait_s)
     return TrainData(files, lengths, evaluated.eval_files, evaluated.eval_lengths,
                      teacher_topk=max(evaluated.teacher_topk, int(prod.get("topk") or 0)),
                      stream=True)

@@ -43,11 +43,12 @@ class StreamFiles(SplitFiles):
     epoch-0 spool path, for messages), with what the loader needs to wait for and report it."""
 
     def __init__(self, spool: Spool, plan: SpoolPlan, good: list[int], ids: list[str],
-                 rank: int, hidden_size: int, bad: BadRecords | None, stop: StopSignals | None):
+                 rank: int, hidden_size: int, bad: BadRecords | None, stop: StopSignals | None,
+                 give_up_s: float = 3600.0):
         super().__init__([spool.demand_path(0, i) for i in good], ids, [None] * len(good),
                          hidden_size, bad, stop)
         self.spool, self.plan, self.good = spool, plan, good
-        self.reader = SpoolReader(spool, plan, rank)
+        self.reader = SpoolReader(spool, plan, rank, give_up_s=give_up_s)
         self.row_starts = plan.row_starts()
 
     def on_row(self, next_demand: int) -> None:

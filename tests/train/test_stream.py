@@ -1,9 +1,10 @@
 """Stream mode: 02b --stream and 04 --stream at the same time through a bounded spool.
 
 The draft equals the offline 02b-then-04 draft to the byte (same records, order and seed; hf
-batch size 1 on both sides), whether the spool keeps every record for the second epoch or holds
-only the working window (every epoch extracted again, 02b waiting for 04), and after either
-side is SIGKILLed mid-run and both are re-run.
+batch size 1 on both sides) when the spool keeps every record for the second epoch and 04 is
+SIGKILLed after its first checkpoint, and when the spool holds only the working window (every
+epoch extracted again, 02b waiting for 04) and 02b is SIGKILLed mid-epoch; each killed side is
+started again beside the other, still running.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_helpers import small_disk
 
 from eagle3.core.spool import Spool, SpoolError, SpoolPlan
 from eagle3.core.stage import StageError
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["--epochs", "2", "--lr", "1e-3", "--max-seq-len", "512", "--num-workers", "1",
          "--eval-every", "100", "--log-every", "50", "--save-every", "20"]
 EXTRACT = ["--backend", "hf", "--max-batch-size", "1"]
+TOPK = ["--dtype", "fp8-topk", "--teacher-topk", "8"]  # the compact layout: 04 gets K from 02b
 
 
 def _workdir(demo_run: Path, dst: Path) -> Path:
@@ -55,12 +58,12 @@ def _finish(procs: dict[str, subprocess.Popen], w: Path, timeout: float = 600) -
         assert rc == 0, f"{name} exited {rc}:\n" + (w / f"{name}.log").read_text()[-4000:]
 
 
-def _stream(w: Path, spool_gb: str, **kill) -> None:
+def _stream(w: Path, spool_gb: str, extract=(), spool=(), **kill) -> None:
     """02b --stream and 04 --stream to the end; `kill={'side': ..., 'when': callable}` SIGKILLs
     that side once `when()` holds, then starts it again."""
-    procs = {"02b": _spawn(_cmd("02b_extract_hidden_states_sglang.py", w, *EXTRACT, "--stream",
-                                "--spool-gb", spool_gb), w / "02b.log"),
-             "04": _spawn(_cmd("04_train.py", w, *TRAIN, "--stream"), w / "04.log")}
+    procs = {"02b": _spawn(_cmd("02b_extract_hidden_states_sglang.py", w, *EXTRACT, *extract,
+                                "--stream", "--spool-gb", spool_gb, *spool), w / "02b.log"),
+             "04": _spawn(_cmd("04_train.py", w, *TRAIN, "--stream", *spool), w / "04.log")}
     if kill:
         side, when = kill["side"], kill["when"]
         deadline = time.monotonic() + 300
@@ -75,14 +78,23 @@ def _stream(w: Path, spool_gb: str, **kill) -> None:
     _finish(procs, w)
 
 
-@pytest.fixture(scope="module")
-def offline(demo_run, tmp_path_factory) -> Path:
-    w = _workdir(demo_run, tmp_path_factory.mktemp("offline") / "w")
-    for cmd in (_cmd("02b_extract_hidden_states_sglang.py", w, *EXTRACT),
+def _offline(demo_run: Path, w: Path, *extract: str) -> Path:
+    w = _workdir(demo_run, w)
+    for cmd in (_cmd("02b_extract_hidden_states_sglang.py", w, *EXTRACT, *extract),
                 _cmd("04_train.py", w, *TRAIN)):
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     return w
+
+
+@pytest.fixture(scope="module")
+def offline(demo_run, tmp_path_factory) -> Path:
+    return _offline(demo_run, tmp_path_factory.mktemp("offline") / "w")
+
+
+@pytest.fixture(scope="module")
+def offline_topk(demo_run, tmp_path_factory) -> Path:
+    return _offline(demo_run, tmp_path_factory.mktemp("offline_topk") / "w", *TOPK)
 
 
 def _draft_bytes(w: Path) -> bytes:
@@ -93,23 +105,32 @@ def _manifest(w: Path, stage: str) -> dict:
     return json.loads((w / stage / "manifest.json").read_text())
 
 
-def test_stream_draft_equals_offline_draft_when_spool_keeps_every_record(demo_run, offline,
-                                                                          tmp_path):
+def test_stream_draft_equals_offline_draft_when_04_is_killed_and_the_spool_keeps_all(
+        demo_run, offline_topk, tmp_path):
     w = _workdir(demo_run, tmp_path / "w")
-    _stream(w, "1")
-    assert _draft_bytes(w) == _draft_bytes(offline)
+    # fp8-topk files; 04 killed after its first checkpoint: the resumed 04 reads again what it
+    # read since, which 02b writes again (links of the kept records, here)
+    _stream(w, "1", TOPK, side="04",
+            when=lambda: (w / "04_train/checkpoints/step_000020/COMPLETE").exists())
+    assert _draft_bytes(w) == _draft_bytes(offline_topk)
     stream = _manifest(w, "02b_hidden_states")["stream"]
     assert stream["prefill_passes"] == 1.0  # the second epoch read the kept records
+    assert stream["rewinds"] >= 1
     assert 0 < stream["peak_bytes"] <= stream["budget_bytes"]
     assert not (w / "02b_spool/train").exists() and not (w / "02b_spool/keep").exists()
     assert "spool peak" in (w / "02b.log").read_text()
 
 
-def test_stream_draft_equals_offline_draft_when_spool_holds_only_the_window(demo_run, offline,
-                                                                             tmp_path):
+def test_stream_draft_equals_offline_draft_when_02b_is_killed_and_the_spool_holds_the_window(
+        demo_run, offline, tmp_path):
     w = _workdir(demo_run, tmp_path / "w")
     budget = _window_gb(w)
-    _stream(w, f"{budget:.9f}")
+    # the spool on a disk of its own, as small as the budget allows (another mount, as a
+    # shared filesystem between two nodes would be): it never runs out
+    with small_disk(tmp_path / "spool", kib=int(budget * 1e9 / 1024) + 256) as disk:
+        spool = disk or tmp_path / "spool"
+        _stream(w, f"{budget:.9f}", spool=("--spool", str(spool)), side="02b",
+                when=lambda: len(list(spool.glob("train/e000/shard_*/data_*.pt"))) >= 8)
     assert _draft_bytes(w) == _draft_bytes(offline)
     m = _manifest(w, "02b_hidden_states")
     assert m["stream"]["kept_records"] == 0 and m["stream"]["prefill_passes"] == 2.0
@@ -133,20 +154,6 @@ def _window_gb(w: Path) -> float:
     nbytes = {i: record_bytes(n, 64, "bf16", 0) for i, n in zip(good, lengths)}
     reserve = window_bytes(plan, nbytes) + max(nbytes.values())
     return (reserve + min(nbytes.values()) - 1) / 1e9
-
-
-@pytest.mark.parametrize("side", ["04", "02b"])
-def test_stream_resumes_when_either_side_is_killed(demo_run, offline, tmp_path, side):
-    w = _workdir(demo_run, tmp_path / "w")
-    spool = w / "02b_spool"
-    if side == "04":  # after its first checkpoint: the files read since are extracted again
-        when = lambda: (w / "04_train/checkpoints/step_000020/COMPLETE").exists()  # noqa: E731
-    else:  # halfway through the first epoch's files
-        when = lambda: len(list(spool.glob("train/e000/shard_*/data_*.pt"))) >= 8  # noqa: E731
-    _stream(w, f"{_window_gb(w):.9f}", side=side, when=when)
-    assert _draft_bytes(w) == _draft_bytes(offline)
-    if side == "04":
-        assert _manifest(w, "02b_hidden_states")["stream"]["rewinds"] >= 1
 
 
 def test_offline_04_refuses_a_streamed_02b_folder(demo_run, tmp_path):
