@@ -16,6 +16,11 @@ in `04_train/skipped.jsonl`, counted in the summary and the manifest, up to `--m
 stops between rows (the step in flight is abandoned; exit 143, re-run to resume from the last
 checkpoint); a full or read-only disk stops with the folder and the bytes needed.
 
+Stream mode (`--stream`, beside `02b ... --stream`): the train split's files come through 02b's
+spool as 02b writes them, in the order this run publishes there, and are deleted once loaded;
+`--gpu-memory-fraction` caps this run's GPU memory beside a colocated target server
+(eagle3/train/stream.py; README "Stream mode").
+
 Tiny target (demo):
     OMP_NUM_THREADS=1 python 04_train.py --workdir runs/demo --target runs/demo/target \
         --epochs 6 --lr 1e-3 --max-seq-len 512 --num-workers 1 --eval-every 100 --log-every 50

@@ -8,13 +8,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+from stream_helpers import stream_workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_stream.py"
@@ -27,18 +27,9 @@ def _module():
     return module
 
 
-def _workdir(demo_run: Path, dst: Path) -> Path:
-    """The demo's merged splits and vocab copied, its target linked (what phase 1 leaves)."""
-    dst.mkdir(parents=True)
-    for name in ("01c_merged", "03_vocab"):
-        shutil.copytree(demo_run / name, dst / name)
-    (dst / "target").symlink_to(demo_run / "target")
-    return dst
-
-
 @pytest.fixture(scope="module")
 def bench(demo_run, tmp_path_factory) -> tuple[Path, dict]:
-    w = _workdir(demo_run, tmp_path_factory.mktemp("bench_stream") / "w")
+    w = stream_workdir(demo_run, tmp_path_factory.mktemp("bench_stream") / "w")
     out = w.parent / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("OUT", None)

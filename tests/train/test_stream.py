@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from fault_helpers import small_disk
+from stream_helpers import stream_workdir
 
 from eagle3.core.spool import Spool, SpoolError, SpoolPlan
 from eagle3.core.stage import StageError
@@ -30,15 +30,6 @@ TRAIN = ["--epochs", "2", "--lr", "1e-3", "--max-seq-len", "512", "--num-workers
          "--eval-every", "100", "--log-every", "50", "--save-every", "20"]
 EXTRACT = ["--backend", "hf", "--max-batch-size", "1"]
 TOPK = ["--dtype", "fp8-topk", "--teacher-topk", "8"]  # the compact layout: 04 gets K from 02b
-
-
-def _workdir(demo_run: Path, dst: Path) -> Path:
-    """A work folder with the demo's target, merged splits and vocab (02b and 04 to run)."""
-    dst.mkdir(parents=True)
-    for name in ("01c_merged", "03_vocab"):
-        shutil.copytree(demo_run / name, dst / name)
-    (dst / "target").symlink_to(demo_run / "target")
-    return dst
 
 
 def _cmd(script: str, w: Path, *extra: str) -> list[str]:
@@ -79,7 +70,7 @@ def _stream(w: Path, spool_gb: str, extract=(), spool=(), **kill) -> None:
 
 
 def _offline(demo_run: Path, w: Path, *extract: str) -> Path:
-    w = _workdir(demo_run, w)
+    w = stream_workdir(demo_run, w)
     for cmd in (_cmd("02b_extract_hidden_states_sglang.py", w, *EXTRACT, *extract),
                 _cmd("04_train.py", w, *TRAIN)):
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True,
@@ -107,7 +98,7 @@ def _manifest(w: Path, stage: str) -> dict:
 
 def test_stream_draft_equals_offline_draft_when_04_is_killed_and_the_spool_keeps_all(
         demo_run, offline_topk, tmp_path):
-    w = _workdir(demo_run, tmp_path / "w")
+    w = stream_workdir(demo_run, tmp_path / "w")
     # fp8-topk files; 04 killed after its first checkpoint: the resumed 04 reads again what it
     # read since, which 02b writes again (links of the kept records, here)
     _stream(w, "1", TOPK, side="04",
@@ -123,7 +114,7 @@ def test_stream_draft_equals_offline_draft_when_04_is_killed_and_the_spool_keeps
 
 def test_stream_draft_equals_offline_draft_when_02b_is_killed_and_the_spool_holds_the_window(
         demo_run, offline, tmp_path):
-    w = _workdir(demo_run, tmp_path / "w")
+    w = stream_workdir(demo_run, tmp_path / "w")
     budget = _window_gb(w)
     # the spool on a disk of its own, as small as the budget allows (another mount, as a
     # shared filesystem between two nodes would be): it never runs out
@@ -159,7 +150,7 @@ def _window_gb(w: Path) -> float:
 def test_offline_04_refuses_a_streamed_02b_folder(demo_run, tmp_path):
     from importlib import import_module
 
-    w = _workdir(demo_run, tmp_path / "w")
+    w = stream_workdir(demo_run, tmp_path / "w")
     (w / "02b_hidden_states").mkdir()
     (w / "02b_hidden_states/manifest.json").write_text(json.dumps(
         {"complete": True, "stream": {"peak_bytes": 1}, "capture_layers": [2, 3, 4]}))
