@@ -11,7 +11,10 @@ if [ "${STREAM:-0}" = 1 ]; then
     producer=$!
     train --stream &
     trainer=$!
-    trap 'kill "$producer" "$trainer" 2>/dev/null || true' EXIT
+    # on the way out (one failed, or a signal): the other and the stage it runs
+    trap 'for p in "$producer" "$trainer"; do
+              pkill -TERM -P "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true
+          done' EXIT
     set +e
     wait -n -p first "$producer" "$trainer"  # the first to end (bash >= 5.1)
     rc=$?
