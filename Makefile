@@ -47,7 +47,7 @@ demo-tiny: install
 	bash demo.sh runs/demo
 
 test: install-test install-vllm
-	EAGLE3_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests
+	EAGLE3_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q --durations=20 tests
 
 lint: install-test
 	$(PY) -m ruff check .
