@@ -1,10 +1,10 @@
 """Stream mode: 02b --stream and 04 --stream at the same time through a bounded spool.
 
 The draft equals the offline 02b-then-04 draft to the byte (same records, order and seed; hf
-batch size 1 on both sides) when the spool keeps every record for the second epoch and 04 is
-SIGKILLed after its first checkpoint, and when the spool holds only the working window (every
-epoch extracted again, 02b waiting for 04) and 02b is SIGKILLed mid-epoch; each killed side is
-started again beside the other, still running.
+batch size 1 on both sides) when the spool holds only the working window (every epoch extracted
+again, 02b waiting for 04) and first 02b, then 04 are SIGKILLed mid-run and started again beside
+the other. The spool keeping every record, and the sglang client, are
+tests/extract/test_extract_stream_sglang.py's.
 """
 
 from __future__ import annotations
@@ -49,14 +49,13 @@ def _finish(procs: dict[str, subprocess.Popen], w: Path, timeout: float = 600) -
         assert rc == 0, f"{name} exited {rc}:\n" + (w / f"{name}.log").read_text()[-4000:]
 
 
-def _stream(w: Path, spool_gb: str, extract=(), spool=(), **kill) -> None:
-    """02b --stream and 04 --stream to the end; `kill={'side': ..., 'when': callable}` SIGKILLs
-    that side once `when()` holds, then starts it again."""
+def _stream(w: Path, spool_gb: str, extract=(), spool=(), kills=()) -> None:
+    """02b --stream and 04 --stream to the end; each of `kills` (side, when) SIGKILLs that side
+    once `when()` holds, then starts it again beside the other, still running."""
     procs = {"02b": _spawn(_cmd("02b_extract_hidden_states_sglang.py", w, *EXTRACT, *extract,
                                 "--stream", "--spool-gb", spool_gb, *spool), w / "02b.log"),
              "04": _spawn(_cmd("04_train.py", w, *TRAIN, "--stream", *spool), w / "04.log")}
-    if kill:
-        side, when = kill["side"], kill["when"]
+    for side, when in kills:
         deadline = time.monotonic() + 300
         while not when():
             assert procs[side].poll() is None, f"{side} ended before the kill"
@@ -64,8 +63,7 @@ def _stream(w: Path, spool_gb: str, extract=(), spool=(), **kill) -> None:
             time.sleep(0.01)
         os.killpg(procs[side].pid, signal.SIGKILL)
         procs[side].wait()
-        args = procs[side].args
-        procs[side] = _spawn(args, w / f"{side}.log")
+        procs[side] = _spawn(procs[side].args, w / f"{side}.log")
     _finish(procs, w)
 
 
@@ -76,11 +74,6 @@ def _offline(demo_run: Path, w: Path, *extract: str) -> Path:
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     return w
-
-
-@pytest.fixture(scope="module")
-def offline(demo_run, tmp_path_factory) -> Path:
-    return _offline(demo_run, tmp_path_factory.mktemp("offline") / "w")
 
 
 @pytest.fixture(scope="module")
@@ -96,37 +89,30 @@ def _manifest(w: Path, stage: str) -> dict:
     return json.loads((w / stage / "manifest.json").read_text())
 
 
-def test_stream_draft_equals_offline_draft_when_04_is_killed_and_the_spool_keeps_all(
+def test_stream_draft_equals_offline_draft_when_each_side_is_killed_and_rerun(
         demo_run, offline_topk, tmp_path):
     w = stream_workdir(demo_run, tmp_path / "w")
-    # fp8-topk files; 04 killed after its first checkpoint: the resumed 04 reads again what it
-    # read since, which 02b writes again (links of the kept records, here)
-    _stream(w, "1", TOPK, side="04",
-            when=lambda: (w / "04_train/checkpoints/step_000020/COMPLETE").exists())
-    assert _draft_bytes(w) == _draft_bytes(offline_topk)
-    stream = _manifest(w, "02b_hidden_states")["stream"]
-    assert stream["prefill_passes"] == 1.0  # the second epoch read the kept records
-    assert stream["rewinds"] >= 1
-    assert 0 < stream["peak_bytes"] <= stream["budget_bytes"]
-    assert not (w / "02b_spool/train").exists() and not (w / "02b_spool/keep").exists()
-    assert "spool peak" in (w / "02b.log").read_text()
-
-
-def test_stream_draft_equals_offline_draft_when_02b_is_killed_and_the_spool_holds_the_window(
-        demo_run, offline, tmp_path):
-    w = stream_workdir(demo_run, tmp_path / "w")
     budget = _window_gb(w)
-    # the spool on a disk of its own, as small as the budget allows (another mount, as a
-    # shared filesystem between two nodes would be): it never runs out
+    spool_files = lambda: list(spool.glob("train/e000/shard_*/data_*.pt"))  # noqa: E731
+    checkpoint = w / "04_train/checkpoints/step_000020/COMPLETE"
+    # fp8-topk files (04 takes K from 02b); the spool on a disk of its own, as small as the
+    # budget allows (another mount, as a shared filesystem between two nodes would be), holding
+    # just the working window: nothing is kept, every epoch is extracted again, 02b waits for
+    # 04. 02b is killed mid-epoch; then 04 after its first checkpoint: the resumed 04 reads
+    # again what it read since, which 02b extracts again.
     with small_disk(tmp_path / "spool", kib=int(budget * 1e9 / 1024) + 256) as disk:
         spool = disk or tmp_path / "spool"
-        _stream(w, f"{budget:.9f}", spool=("--spool", str(spool)), side="02b",
-                when=lambda: len(list(spool.glob("train/e000/shard_*/data_*.pt"))) >= 8)
-    assert _draft_bytes(w) == _draft_bytes(offline)
-    m = _manifest(w, "02b_hidden_states")
-    assert m["stream"]["kept_records"] == 0 and m["stream"]["prefill_passes"] == 2.0
-    assert m["stream"]["peak_bytes"] <= m["stream"]["budget_bytes"]
-    assert m["stream"]["backpressure_s"] > 0  # 02b waited for 04 to read
+        _stream(w, f"{budget:.9f}", TOPK, spool=("--spool", str(spool)),
+                kills=[("02b", lambda: len(spool_files()) >= 8),
+                       ("04", checkpoint.exists)])
+        assert not list(spool.iterdir())  # 02b emptied it at the end
+    assert _draft_bytes(w) == _draft_bytes(offline_topk)
+    m = _manifest(w, "02b_hidden_states")["stream"]
+    assert m["kept_records"] == 0 and m["prefill_passes"] == 2.0
+    assert 0 < m["peak_bytes"] <= m["budget_bytes"]
+    assert m["backpressure_s"] > 0  # 02b waited for 04 to read
+    assert m["rewinds"] >= 1
+    assert "spool peak" in (w / "02b.log").read_text()
 
 
 def _window_gb(w: Path) -> float:
@@ -142,7 +128,7 @@ def _window_gb(w: Path) -> float:
     evals = [len(json.loads(x)["input_ids"])
              for x in (w / "01c_merged/eval.jsonl").read_text().splitlines() if x.strip()]
     _, plan = stream_plan(cfg, lengths, evals, good, world=1)
-    nbytes = {i: record_bytes(n, 64, "bf16", 0) for i, n in zip(good, lengths)}
+    nbytes = {i: record_bytes(n, 64, "fp8-topk", 8) for i, n in zip(good, lengths)}
     reserve = window_bytes(plan, nbytes) + max(nbytes.values())
     return (reserve + min(nbytes.values()) - 1) / 1e9
 
