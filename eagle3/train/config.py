@@ -65,9 +65,11 @@ class TrainConfig(UpstreamStageFlags):
                           choices=list(UNROLLS))
     fp8_gemm: str = arg("off", "the draft's linear layers but lm_head train with FP8 GEMMs "
                                "(e4m3, per-row scales; eagle3/train/fp8.py); experimental: "
-                               "fails the gradient criterion of eagle3/train/fp8_check.py, as "
-                               "every FP8 recipe tried does (BENCHMARKS.md); auto = on for CUDA "
-                               "GPUs with FP8, off on CPU; eval and the exported draft stay bf16",
+                               "fails the gradient criterion of eagle3/train/fp8_check.py by "
+                               "~25x, as every recipe with FP8 forward or input-gradient GEMMs "
+                               "does (the weight-gradient-only one passes but runs 1.01x bf16: "
+                               "BENCHMARKS.md); auto = on for CUDA GPUs with FP8, off on CPU; "
+                               "eval and the exported draft stay bf16",
                         choices=list(FP8_MODES))
     tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")
     sglang_version: str | None = arg(None, "SGLang release serving the draft (only needed for "
