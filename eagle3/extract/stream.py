@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import logging
 import os
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from eagle3.core import hidden_states as hs
 from eagle3.core.faults import BadRecords, StopSignals
 from eagle3.core.progress import human_bytes, progress
+from eagle3.core.records import JsonlAppender
 from eagle3.core.spool import Spool, SpoolError, SpoolPlan, remove_file
 from eagle3.core.stage import atomic_write_json, sweep_temp_files
 from eagle3.extract.checks import skip_key
@@ -150,7 +150,6 @@ class StreamSink:
     def __init__(self, producer: Producer):
         self.p = producer
         self.records = producer.records
-        self.root = producer.spool.root
         self.epoch = 0
         self.pos: dict[int, int] = {}  # idx -> demand position, for the chunk in flight
 
@@ -174,12 +173,6 @@ class StreamSink:
     def skip(self, idx: int, reason: str) -> None:
         self.p.tombstone(self.epoch, idx, reason)
 
-    def abandon(self) -> None:
-        pass
-
-    def close(self):
-        return None
-
 
 class StreamFailures:
     """The sglang client's failure log in stream mode: a record that failed every attempt gets
@@ -192,9 +185,9 @@ class StreamFailures:
     def add(self, idx: int, record_id: str, reasons: list[str]) -> None:
         self.new += 1
         self.p.stats.failed += 1
-        with self.path.open("a") as f:
-            f.write(json.dumps({"idx": idx, "id": record_id, "epoch": self.p.sink.epoch,
-                                "reason": reasons[-1], "attempts": len(reasons)}) + "\n")
+        with JsonlAppender(self.path) as out:  # a torn last line of a killed run is cut off
+            out.write({"idx": idx, "id": record_id, "epoch": self.p.sink.epoch,
+                       "reason": reasons[-1], "attempts": len(reasons)})
         self.p.tombstone(self.p.sink.epoch, idx, f"failed: {reasons[-1]}", bad=False)
         if 0 <= self.max_failures < self.new:
             raise ExtractError(f"{self.new} records failed (more than --max-failures "
@@ -553,19 +546,17 @@ class HfStream:
 
     def run_chunk(self, sink: StreamSink, batch: list[int], todo: set[int]) -> None:
         self.hf._extract_batch(self.model, sink, batch, todo, self.layers, self.cfg.dtype,
-                               _Advance(sink.p), self.teacher)
+                               _NoProgress(), self.teacher)
 
     def close(self) -> None:
         pass
 
 
-class _Advance:
-    """The backends' progress hook; the producer counts in `written`."""
+class _NoProgress:
+    """The backends' progress hook, unused: the producer's bar counts in `written`."""
 
-    def __init__(self, producer: Producer):
-        self.p = producer
-
-    def advance(self, tokens: int, nbytes: int) -> None:
+    @staticmethod
+    def advance(tokens: int, nbytes: int) -> None:
         pass
 
 
@@ -609,7 +600,7 @@ class SglangStream:
 
     def run_chunk(self, sink: StreamSink, batch: list[int], todo: set[int]) -> None:
         self.loop.run_until_complete(self.client._run([i for i in batch if i in todo], sink,
-                                                      _Advance(sink.p), sink.p.failures))
+                                                      _NoProgress(), sink.p.failures))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.__aexit__(None, None, None))

@@ -67,7 +67,7 @@ class TrainConfig(UpstreamStageFlags):
                                "(e4m3, per-row scales; eagle3/train/fp8.py); experimental: "
                                "fails the gradient criterion of eagle3/train/fp8_check.py by "
                                "~25x, as every recipe with FP8 forward or input-gradient GEMMs "
-                               "does (the weight-gradient-only one passes but runs 1.01x bf16: "
+                               "does (the weight-gradient-only one passes, no faster than bf16: "
                                "BENCHMARKS.md); auto = on for CUDA GPUs with FP8, off on CPU; "
                                "eval and the exported draft stay bf16",
                         choices=list(FP8_MODES))

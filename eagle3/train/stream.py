@@ -83,7 +83,11 @@ class StreamRows(torch.utils.data.Dataset):
         epoch, start, row = self.items[i]
         f = self.files
         samples, skipped = [], []
-        stop_check = f.stop.check if f.stop is not None else None  # set in the main process only
+        # Only a loading main process (--num-workers 0) stops here on a signal: a forked worker
+        # holds a copy of the stop flag whose Interrupted would reach the loop as a bare
+        # RuntimeError; there the loop stops between rows instead (SkipCountingLoader)
+        in_main = torch.utils.data.get_worker_info() is None
+        stop_check = f.stop.check if f.stop is not None and in_main else None
         for j in row:
             while True:
                 path, reason = f.reader.wait(epoch, f.good[j], stop_check)
