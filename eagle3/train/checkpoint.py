@@ -2,9 +2,11 @@
 valid only with their `COMPLETE` marker; the latest complete one is resumed from.
 
 Writing runs in the background (`CheckpointWriter`): the loop blocks only while the state is
-copied to host memory (reused pinned buffers on CUDA: about a second for a Kimi-K2.5-size draft
-and its AdamW moments, 12.7 GB), then a writer thread serialises, fsyncs and renames while
-training goes on. The rename stays last, so a kill mid-write leaves the previous checkpoint the
+copied to host memory (reused pinned buffers on CUDA), then a writer thread serialises, fsyncs
+and renames while training goes on. The pinned buffers (12.7 GB for a Kimi-K2.5-size draft and
+its AdamW moments) are allocated by `reserve`, in a thread, after the first optimizer step: on
+one H200 allocating them inside the first save had blocked the loop for 17.8 s (BENCHMARKS.md,
+"The whole stage, end to end"). The rename stays last, so a kill mid-write leaves the previous checkpoint the
 latest complete one; one save is in flight at a time, and the stage waits for it before it
 exports or exits. A writer error (a full disk) is raised in the loop at the next save or at the
 end.
@@ -123,24 +125,56 @@ class CheckpointWriter:
 
     `save` returns once the state is in host memory (the seconds it blocked are
     `blocked_s`); `wait` joins the write in flight and raises its error, if any. On CPU the
-    copy is a plain clone; on CUDA it goes into pinned buffers kept between saves.
+    copy is a plain clone; on CUDA it goes into pinned buffers kept between saves, allocated
+    ahead by `reserve`.
     """
 
     def __init__(self, background: bool = True):
         self.background = background
         self.blocked_s: list[float] = []  # per save: the loop's wait (copy, and a prior write)
         self.write_s: list[float] = []  # per save: the write itself
+        self.reserve_s: float | None = None  # the reservation thread's allocation time
         self._pinned: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
+        self._reserving: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    def reserve(self, state: dict) -> None:
+        """Allocate, in a background thread, the host buffers a save of `state` (the same
+        entries `save` gets, or a subset: the model and optimizer hold all the tensors) will
+        copy into; the next `save` waits for it. Only device tensors need one."""
+        specs = []
+
+        def note(key, t):
+            if self._needs_buffer(t):
+                specs.append((key, t.shape, t.dtype))
+            return t
+
+        _walk({**state, "model": clean_state_dict(state["model"])}, "", note)
+        if not specs:
+            return
+
+        def allocate():
+            t0 = time.perf_counter()
+            for key, shape, dtype in specs:
+                self._buffer(key, shape, dtype)
+            self.reserve_s = time.perf_counter() - t0
+
+        self._reserving = threading.Thread(target=allocate, name="checkpoint-reserve",
+                                           daemon=True)
+        self._reserving.start()
 
     def save(self, root: Path, step: int, state: dict, config: dict, keep_latest: int) -> None:
         t0 = time.perf_counter()
         self.wait()
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        self._on_device = False
         payload = {**state, "model": clean_state_dict(state["model"])}
-        payload = self._to_host(payload, "")
+        payload = _walk(payload, "", self._copy)
         payload["rng"] = rng_state()
-        done = torch.cuda.Event() if self._pinned else None
+        done = torch.cuda.Event() if self._on_device else None
         if done is not None:
             done.record()
         args = (Path(root), step, payload, config, keep_latest, done)
@@ -175,21 +209,40 @@ class CheckpointWriter:
             self._error = e
         self.write_s.append(time.perf_counter() - t0)
 
-    def _to_host(self, obj, key: str):
-        """`obj` with every tensor copied to host memory (pinned buffers reused on CUDA)."""
-        if isinstance(obj, dict):
-            return {k: self._to_host(v, f"{key}/{k}") for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._to_host(v, f"{key}/{i}") for i, v in enumerate(obj))
-        if not isinstance(obj, torch.Tensor):
-            return obj
-        if obj.device.type != "cuda":
-            return obj.detach().clone()
+    @staticmethod
+    def _needs_buffer(t: torch.Tensor) -> bool:
+        """A device tensor: copied into a kept host buffer (a host tensor is cloned)."""
+        return t.device.type == "cuda"
+
+    @staticmethod
+    def _allocate(shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def _buffer(self, key: str, shape, dtype) -> torch.Tensor:
         buf = self._pinned.get(key)
-        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-            buf = self._pinned[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
-        buf.copy_(obj.detach(), non_blocking=True)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self._pinned[key] = self._allocate(shape, dtype)
         return buf
+
+    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        if not self._needs_buffer(t):
+            return t.detach().clone()
+        self._on_device = self._on_device or t.device.type == "cuda"
+        buf = self._buffer(key, t.shape, t.dtype)
+        buf.copy_(t.detach(), non_blocking=True)
+        return buf
+
+
+def _walk(obj, key: str, fn):
+    """`obj` with each tensor replaced by `fn(path, tensor)`, paths like `/optimizer/state/0/
+    exp_avg`: the same for a save and for the `reserve` ahead of it."""
+    if isinstance(obj, dict):
+        return {k: _walk(v, f"{key}/{k}", fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_walk(v, f"{key}/{i}", fn) for i, v in enumerate(obj))
+    if isinstance(obj, torch.Tensor):
+        return fn(key, obj)
+    return obj
 
 
 def complete_steps(root: Path) -> list[int]:

@@ -307,6 +307,9 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             grad_norm = clip_gradients(optimizer, cfg.max_grad_norm, step, bad_step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if step == start_step and rt.dist.is_main:  # the moments exist from here on
+                run.writer.reserve({"model": draft.state_dict(),
+                                    "optimizer": optimizer.state_dict()})
             if rt.dist.enabled:  # the mean over ranks (a device collective, no host sync)
                 step_loss = distributed.all_reduce_sum(step_loss) / rt.dist.world
             ema.mul_(0.9).add_(0.1 * step_loss)  # debiased by the global step count when logged
@@ -329,6 +332,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             "fp8_gemm": rt.fp8,
             "timings": {"loop_s": time.perf_counter() - t_loop, "eval_s": run.eval_s,
                         "save_blocked_s": run.writer.blocked_s,
+                        "save_reserve_s": run.writer.reserve_s,
                         "save_write_s": run.writer.write_s,
                         "first_window_s": history[0]["elapsed_s"] if history else None}}
 

@@ -128,3 +128,31 @@ def test_bench_train_stage_times_the_loop_with_eval_and_checkpoint(tmp_path):
     assert len(result["eval_s"]) == 2  # at step 0 and at the end
     assert result["eval_samples"] == 6
     assert result["eval_s_per_sample"] == pytest.approx(result["eval_s"][-1] / 6)
+
+
+def test_bench_04_stage_times_the_whole_process_against_its_step_rate(tmp_path):
+    """`04_train.py` itself on a work directory in the stages' formats: the stage rate is
+    tokens over the process's wall time, and where the rest went adds up to that wall time
+    (start-up + tokens at the steady rate + the end); the projection is validated on the run."""
+    import json
+    out = tmp_path / "out"
+    _run(["benchmarks/bench_04_stage.py", "--tiny", "--files", "24", "--epochs", "6",
+          "--mean-tokens", "200", "--min-tokens", "32", "--max-tokens", "512",
+          "--out", str(out)], tmp_path)
+    r = json.loads((out / "bench_04_stage.json").read_text())
+    assert r["rc"] == 0 and r["steps_logged"] == r["steps"] > 0
+    assert r["tokens"] == r["workdir"]["tokens"]["train"] * 6  # every epoch's tokens, counted
+    assert r["stage_tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+    assert r["stage_over_step"] == pytest.approx(r["stage_tokens_per_s"] / r["step_tokens_per_s"])
+    assert r["stage_tokens_per_s"] < r["steady_tokens_per_s"] < r["step_tokens_per_s"]
+    assert r["startup_s"] + r["tokens"] / r["steady_tokens_per_s"] + r["end_s"] == \
+        pytest.approx(r["wall_s"])
+    v = r["projection"]["validation"]
+    assert 3 <= v["fitted_on_windows"] < v["of"]
+    assert v["relative_error"] == pytest.approx(
+        v["last_window_predicted_s"] / v["last_window_measured_s"] - 1)
+    assert r["projection"]["plan_stage_over_step"] > r["stage_over_step"]  # start-up amortized
+    lengths = [json.loads(x)["tokens"] for x in
+               (out / "bench_04_work/02b_hidden_states/train/index.jsonl").read_text().splitlines()]
+    assert max(lengths) == 512 and min(lengths) >= 32  # one sample as wide as the rows
+    assert (out / "bench_04_stage.partial.json").exists() or r["wall_s"] < 10
