@@ -141,15 +141,19 @@ class AcceptanceEstimate:
 
     @torch.no_grad()
     def add(self, draft, logits_steps: list[torch.Tensor], input_ids, loss_mask, doc_ids,
-            final, target_top: torch.Tensor | None = None) -> None:
+            final, target_top: torch.Tensor | None = None,
+            greedy: torch.Tensor | None = None) -> torch.Tensor:
         """One packed batch: the draft's per-step logits `[B, T, Vd]` (TTTModel.unroll).
 
         `target_top` `[B, T]` (fp8-topk rows): the target's full-vocabulary argmax that 02b
         stored in place of the final state (-1 where a file stores the final state instead).
+        Returns the target's greedy tokens `[B, T]`; an eval over the same rows again may pass
+        them back as `greedy` (they depend on the data only) instead of scoring the lm_head.
         """
-        greedy = full_argmax(final, self.lm_head, self.chunk_rows)
-        if target_top is not None:  # an fp8-topk position's final state is zero: use its argmax
-            greedy = torch.where(target_top >= 0, target_top, greedy)
+        if greedy is None:
+            greedy = full_argmax(final, self.lm_head, self.chunk_rows)
+            if target_top is not None:  # an fp8-topk position's final state is zero
+                greedy = torch.where(target_top >= 0, target_top, greedy)
         tokens = [draft.draft_to_target(lg.argmax(-1)) for lg in logits_steps]
         accepted = accepted_per_anchor(tokens, greedy, input_ids, doc_ids)
         # supervised tokens p+1 (same sequence): are they greedy[p], is greedy[p] proposable?
@@ -163,6 +167,7 @@ class AcceptanceEstimate:
             w = walk_rounds(acc, mask, doc, ids)
             self.sums[:6] += torch.tensor([w[f] for f in FIELDS[:6]], dtype=torch.float64)
         self.sums[6:] += greedy_sums
+        return greedy
 
     @staticmethod
     def result(sums: torch.Tensor) -> dict:

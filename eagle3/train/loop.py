@@ -139,32 +139,55 @@ def _topk_arg(batch: dict) -> dict | None:
     return {k: batch[k] for k in ("teacher_ids", "teacher_logprobs", "has_final")}
 
 
-@torch.no_grad()
-def evaluate(model: TTTModel, files: list[Path], lengths: list[int], cfg: TrainConfig,
-             rt: Runtime, width: int, estimate: AcceptanceEstimate, topk: int = 0) -> dict:
-    """Mean per-step loss and accuracy over the eval split, and the acceptance estimate
-    (verify rounds against the target's full-vocabulary argmax: eagle3/train/acceptance.py).
+EVAL_LEAD_STEPS = 4  # the eval's loader starts this many steps before the eval is due
 
-    Eager, not through the compiled training forward: on one H200 at Kimi-K2.5 size the
-    compiled eval cost 95 s of compilation and then 3.8-4.8 s per 32 samples, no faster than
-    the eager eval measured before (BENCHMARKS.md, "Whole stage")."""
+
+def eval_batches(files: list[Path], lengths: list[int], cfg: TrainConfig, rt: Runtime,
+                 width: int, topk: int = 0):
+    """An iterator over this rank's eval rows, its loader workers started now: begun a few
+    steps before an eval is due (EVAL_LEAD_STEPS), they read and pack while training goes on."""
     n = min(len(files), cfg.max_eval_samples)
     rows = pack_epoch(lengths[:n], width, cfg.max_seq_len, cfg.seed, 0, shuffle=False)
     mine = rows[rt.dist.rank::rt.dist.world]
-    loader = make_loader(PackedRows(files, mine, width, cfg.max_seq_len, topk),
-                         min(cfg.num_workers, len(mine)), rt.device.type == "cuda")
+    return iter(make_loader(PackedRows(files, mine, width, cfg.max_seq_len, topk),
+                            min(cfg.num_workers, len(mine)), rt.device.type == "cuda"))
+
+
+@torch.no_grad()
+def evaluate(model: TTTModel, batches, cfg: TrainConfig, rt: Runtime,
+             estimate: AcceptanceEstimate, greedy_cache: dict | None = None,
+             parts: dict | None = None) -> dict:
+    """Mean per-step loss and accuracy over the eval rows `batches` (`eval_batches`), and the
+    acceptance estimate (verify rounds against the target's full-vocabulary argmax:
+    eagle3/train/acceptance.py).
+
+    The rows are the same at every eval, so the target's argmax of row i is scored once and
+    kept in `greedy_cache`. `parts` gets the seconds spent waiting for rows (`wait_s`) and in
+    the acceptance estimate (`estimate_s`). Eager, not through the compiled training forward:
+    on one H200 at Kimi-K2.5 size the compiled eval cost 95 s of compilation and then 3.8-4.8 s
+    per 32 samples, no faster than the eager eval measured before (BENCHMARKS.md, "Whole
+    stage")."""
+    greedy_cache = {} if greedy_cache is None else greedy_cache
+    parts = {} if parts is None else parts
+    parts.update(wait_s=0.0, estimate_s=0.0)
     stats = torch.zeros(num_stats(cfg.ttt_steps), device=rt.device)
     estimate.sums.zero_()
     model.eval()
-    for batch in loader:
+    t = time.perf_counter()
+    for i, batch in enumerate(batches):
+        parts["wait_s"] += time.perf_counter() - t
         batch = {k: v.to(rt.device) for k, v in batch.items()}
         masks = model.build_masks(batch["doc_ids"])
         with rt.autocast():
             _, s, steps_logits = model(*_batch_args(batch), masks=masks, topk=_topk_arg(batch),
                                        return_logits=True)
         stats += s
-        estimate.add(model.draft, steps_logits, batch["input_ids"], batch["loss_mask"],
-                     batch["doc_ids"], batch["final"], batch.get("target_top"))
+        t = time.perf_counter()
+        greedy_cache[i] = estimate.add(model.draft, steps_logits, batch["input_ids"],
+                                       batch["loss_mask"], batch["doc_ids"], batch["final"],
+                                       batch.get("target_top"), greedy_cache.get(i))
+        parts["estimate_s"] += time.perf_counter() - t  # it ends on host copies: synchronous
+        t = time.perf_counter()
     model.train()
     m = stats_dict(distributed.all_reduce_sum(stats), cfg.ttt_steps)
     sums = distributed.all_reduce_sum(estimate.sums.to(rt.device)).cpu()
@@ -235,6 +258,9 @@ class TrainRun:
     estimate: AcceptanceEstimate  # the eval's acceptance estimate (holds the whole lm_head)
     writer: CheckpointWriter  # checkpoints written in the background (checkpoint.py)
     eval_s: list = field(default_factory=list)  # wall seconds of each eval
+    eval_parts: list = field(default_factory=list)  # per eval: waiting for rows, the estimate
+    next_eval: object = None  # the next eval's rows, its loader started EVAL_LEAD_STEPS ahead
+    greedy: dict = field(default_factory=dict)  # eval row -> the target's argmax (fixed data)
 
 
 def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
@@ -310,6 +336,9 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             if step == start_step and rt.dist.is_main:  # the moments exist from here on
                 run.writer.reserve({"model": draft.state_dict(),
                                     "optimizer": optimizer.state_dict()})
+            if (step + 1 + EVAL_LEAD_STEPS) % cfg.eval_every == 0 and data.eval_files:
+                run.next_eval = eval_batches(data.eval_files, data.eval_lengths, cfg, rt, width,
+                                             data.teacher_topk)
             if rt.dist.enabled:  # the mean over ranks (a device collective, no host sync)
                 step_loss = distributed.all_reduce_sum(step_loss) / rt.dist.world
             ema.mul_(0.9).add_(0.1 * step_loss)  # debiased by the global step count when logged
@@ -321,6 +350,7 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     except BaseException:  # a signal, a bad batch: the checkpoint in flight is finished first
         run.writer.wait(raise_error=False)
         raise
+    run.next_eval = None  # an eval loader started for a step the run did not reach
     run.writer.wait()  # the last checkpoint is on disk before the stage exports or ends
     metrics.close()
     history = run.clock.history
@@ -331,6 +361,8 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             "data_wait": sum(r["data_wait"] for r in timed) / max(len(timed), 1),
             "fp8_gemm": rt.fp8,
             "timings": {"loop_s": time.perf_counter() - t_loop, "eval_s": run.eval_s,
+                        "eval_wait_s": [x["wait_s"] for x in run.eval_parts],
+                        "eval_estimate_s": [x["estimate_s"] for x in run.eval_parts],
                         "save_blocked_s": run.writer.blocked_s,
                         "save_reserve_s": run.writer.reserve_s,
                         "save_write_s": run.writer.write_s,
@@ -396,8 +428,13 @@ def _run_eval(run: TrainRun, step: int) -> dict:
     if not data.eval_files:
         return {}
     t0 = time.perf_counter()
-    result = evaluate(run.model, data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width,
-                      run.estimate, data.teacher_topk)
+    batches, run.next_eval = run.next_eval, None
+    if batches is None:  # step 0, the first step of a resumed run, the last step
+        batches = eval_batches(data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width,
+                               data.teacher_topk)
+    parts = {}
+    result = evaluate(run.model, batches, run.cfg, run.rt, run.estimate, run.greedy, parts)
+    run.eval_parts.append(parts)
     run.eval_s.append(time.perf_counter() - t0)
     run.clock.paused_s += run.eval_s[-1]
     log.info("eval step %d | loss %s | acc %s | %s", step,
