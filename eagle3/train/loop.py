@@ -139,13 +139,12 @@ def _topk_arg(batch: dict) -> dict | None:
     return {k: batch[k] for k in ("teacher_ids", "teacher_logprobs", "has_final")}
 
 
-EVAL_LEAD_STEPS = 4  # the eval's loader starts this many steps before the eval is due
+EVAL_CACHE_BYTES = 16e9  # eval rows kept in host memory after the first eval, per rank, up to
 
 
 def eval_batches(files: list[Path], lengths: list[int], cfg: TrainConfig, rt: Runtime,
                  width: int, topk: int = 0):
-    """An iterator over this rank's eval rows, its loader workers started now: begun a few
-    steps before an eval is due (EVAL_LEAD_STEPS), they read and pack while training goes on."""
+    """An iterator over this rank's eval rows (packed by loader workers)."""
     n = min(len(files), cfg.max_eval_samples)
     rows = pack_epoch(lengths[:n], width, cfg.max_seq_len, cfg.seed, 0, shuffle=False)
     mine = rows[rt.dist.rank::rt.dist.world]
@@ -156,26 +155,37 @@ def eval_batches(files: list[Path], lengths: list[int], cfg: TrainConfig, rt: Ru
 @torch.no_grad()
 def evaluate(model: TTTModel, batches, cfg: TrainConfig, rt: Runtime,
              estimate: AcceptanceEstimate, greedy_cache: dict | None = None,
-             parts: dict | None = None) -> dict:
-    """Mean per-step loss and accuracy over the eval rows `batches` (`eval_batches`), and the
-    acceptance estimate (verify rounds against the target's full-vocabulary argmax:
-    eagle3/train/acceptance.py).
+             parts: dict | None = None, keep: list | None = None) -> dict:
+    """Mean per-step loss and accuracy over the eval rows `batches` (`eval_batches`, or the
+    rows a previous eval kept), and the acceptance estimate (verify rounds against the
+    target's full-vocabulary argmax: eagle3/train/acceptance.py).
 
-    The rows are the same at every eval, so the target's argmax of row i is scored once and
-    kept in `greedy_cache`. `parts` gets the seconds spent waiting for rows (`wait_s`) and in
-    the acceptance estimate (`estimate_s`). Eager, not through the compiled training forward:
-    on one H200 at Kimi-K2.5 size the compiled eval cost 95 s of compilation and then 3.8-4.8 s
-    per 32 samples, no faster than the eager eval measured before (BENCHMARKS.md, "Whole
-    stage")."""
+    The rows are the same at every eval. `keep` (a list) receives them as loaded, in host
+    memory, while they total at most EVAL_CACHE_BYTES (it is emptied when they do not), so
+    that later evals skip the loader: on one H200 at Kimi-K2.5 size an eval of 32 samples
+    waited 2.6-3.8 s of its 6-8 s for its 13 rows of 8192 tokens (BENCHMARKS.md, "The whole
+    stage, end to end"). The target's argmax of row i is scored once and kept in
+    `greedy_cache`. `parts` gets the seconds spent waiting for rows (`wait_s`) and from the
+    end of the forward's launch to the end of the estimate (`estimate_s`: it ends on host
+    copies, so it also holds the forward's unfinished GPU work). Eager, not through the
+    compiled training forward: the compiled eval cost 95 s of compilation and then was no
+    faster (the same section)."""
     greedy_cache = {} if greedy_cache is None else greedy_cache
     parts = {} if parts is None else parts
     parts.update(wait_s=0.0, estimate_s=0.0)
+    kept_bytes = 0
     stats = torch.zeros(num_stats(cfg.ttt_steps), device=rt.device)
     estimate.sums.zero_()
     model.eval()
     t = time.perf_counter()
     for i, batch in enumerate(batches):
         parts["wait_s"] += time.perf_counter() - t
+        if keep is not None:
+            kept_bytes += sum(v.numel() * v.element_size() for v in batch.values())
+            if kept_bytes <= EVAL_CACHE_BYTES:
+                keep.append(batch)
+            elif keep:
+                keep.clear()
         batch = {k: v.to(rt.device) for k, v in batch.items()}
         masks = model.build_masks(batch["doc_ids"])
         with rt.autocast():
@@ -186,7 +196,7 @@ def evaluate(model: TTTModel, batches, cfg: TrainConfig, rt: Runtime,
         greedy_cache[i] = estimate.add(model.draft, steps_logits, batch["input_ids"],
                                        batch["loss_mask"], batch["doc_ids"], batch["final"],
                                        batch.get("target_top"), greedy_cache.get(i))
-        parts["estimate_s"] += time.perf_counter() - t  # it ends on host copies: synchronous
+        parts["estimate_s"] += time.perf_counter() - t
         t = time.perf_counter()
     model.train()
     m = stats_dict(distributed.all_reduce_sum(stats), cfg.ttt_steps)
@@ -259,7 +269,7 @@ class TrainRun:
     writer: CheckpointWriter  # checkpoints written in the background (checkpoint.py)
     eval_s: list = field(default_factory=list)  # wall seconds of each eval
     eval_parts: list = field(default_factory=list)  # per eval: waiting for rows, the estimate
-    next_eval: object = None  # the next eval's rows, its loader started EVAL_LEAD_STEPS ahead
+    eval_rows: list | None = None  # this rank's eval rows in host memory, kept by the 1st eval
     greedy: dict = field(default_factory=dict)  # eval row -> the target's argmax (fixed data)
 
 
@@ -336,9 +346,6 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
             if step == start_step and rt.dist.is_main:  # the moments exist from here on
                 run.writer.reserve({"model": draft.state_dict(),
                                     "optimizer": optimizer.state_dict()})
-            if (step + 1 + EVAL_LEAD_STEPS) % cfg.eval_every == 0 and data.eval_files:
-                run.next_eval = eval_batches(data.eval_files, data.eval_lengths, cfg, rt, width,
-                                             data.teacher_topk)
             if rt.dist.enabled:  # the mean over ranks (a device collective, no host sync)
                 step_loss = distributed.all_reduce_sum(step_loss) / rt.dist.world
             ema.mul_(0.9).add_(0.1 * step_loss)  # debiased by the global step count when logged
@@ -350,7 +357,6 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
     except BaseException:  # a signal, a bad batch: the checkpoint in flight is finished first
         run.writer.wait(raise_error=False)
         raise
-    run.next_eval = None  # an eval loader started for a step the run did not reach
     run.writer.wait()  # the last checkpoint is on disk before the stage exports or ends
     metrics.close()
     history = run.clock.history
@@ -428,12 +434,18 @@ def _run_eval(run: TrainRun, step: int) -> dict:
     if not data.eval_files:
         return {}
     t0 = time.perf_counter()
-    batches, run.next_eval = run.next_eval, None
-    if batches is None:  # step 0, the first step of a resumed run, the last step
+    keep = None
+    if run.eval_rows:
+        batches = run.eval_rows
+    else:
         batches = eval_batches(data.eval_files, data.eval_lengths, run.cfg, run.rt, run.width,
                                data.teacher_topk)
+        keep = []
     parts = {}
-    result = evaluate(run.model, batches, run.cfg, run.rt, run.estimate, run.greedy, parts)
+    result = evaluate(run.model, batches, run.cfg, run.rt, run.estimate, run.greedy, parts,
+                      keep)
+    if keep:
+        run.eval_rows = keep
     run.eval_parts.append(parts)
     run.eval_s.append(time.perf_counter() - t0)
     run.clock.paused_s += run.eval_s[-1]
