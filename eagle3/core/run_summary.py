@@ -50,8 +50,10 @@ def _outputs(stage: str, m: dict, workdir: Path) -> str:
         untrained = ("" if first is None else
                      f"; the untrained draft (step 0): {_num(first.get('eval_sim_accept'))}, "
                      f"loop-free {_num(first.get('eval_sim_accept_loop_free'))}")
+        se = out.get("eval_sim_accept_se")
         return (f"{out.get('num_steps')} steps, eval acceptance estimate "
-                f"{_num(out.get('eval_sim_accept'))} (loop share "
+                f"{_num(out.get('eval_sim_accept'))}"
+                f"{'' if se is None else f' +- {se:.3f}'} (loop share "
                 f"{_num(out.get('eval_loop_share'), '.0%')}, loop-free "
                 f"{_num(out.get('eval_sim_accept_loop_free'))}{untrained})")
     if stage == STAGE_DIRS["05"]:

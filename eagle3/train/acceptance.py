@@ -41,9 +41,13 @@ import torch
 from eagle3.core.loops import loop_mask, rounds_before_loop
 
 CHUNK_ROWS = 16384
-# Sums kept per evaluation (one tensor, so ranks reduce it in one collective).
+# Sums kept per evaluation (one tensor, so ranks reduce it in one collective): the first
+# WALKED from the rounds (walk_rounds; `samples` and the three products are per-sample moments,
+# for the estimate's standard error), the rest from the target's greedy tokens.
 FIELDS = ("accept_sum", "rounds", "loop_free_accept_sum", "loop_free_rounds", "loop_tokens",
-          "span_tokens", "greedy_tokens", "supervised_tokens", "greedy_in_vocab")
+          "span_tokens", "samples", "accept_sq", "rounds_sq", "accept_rounds",
+          "greedy_tokens", "supervised_tokens", "greedy_in_vocab")
+WALKED = 10
 
 
 @torch.no_grad()
@@ -96,8 +100,10 @@ def accepted_per_anchor(draft_tokens: list[torch.Tensor], greedy_BT: torch.Tenso
 
 def walk_rounds(accepted_T: list[int], loss_mask_T: list[int], doc_T: list[int],
                 input_ids_T: list[int]) -> dict:
-    """Sums of the verify rounds of one packed row (host lists; see the module doc)."""
-    out = dict.fromkeys(FIELDS, 0)
+    """Sums of the verify rounds of one packed row (host lists; see the module doc), with the
+    per-sample moments of (accepted tokens a_i, rounds r_i) the standard error needs."""
+    out = dict.fromkeys(FIELDS[:WALKED], 0)
+    per_sample: dict[int, list[int]] = {}
     T = len(loss_mask_T)
 
     def in_span(p: int, doc: int) -> bool:
@@ -121,10 +127,19 @@ def walk_rounds(accepted_T: list[int], loss_mask_T: list[int], doc_T: list[int],
         free = rounds_before_loop(lengths, first)
         out["accept_sum"] += sum(lengths)
         out["rounds"] += len(lengths)
+        sample = per_sample.setdefault(doc, [0, 0])
+        sample[0] += sum(lengths)
+        sample[1] += len(lengths)
         out["loop_free_accept_sum"] += sum(free)
         out["loop_free_rounds"] += len(free)
         out["loop_tokens"] += sum(mask)
         out["span_tokens"] += len(span)
+    for a, r in per_sample.values():  # a packed row holds whole samples: one doc id each
+        if r:
+            out["samples"] += 1
+            out["accept_sq"] += a * a
+            out["rounds_sq"] += r * r
+            out["accept_rounds"] += a * r
     return out
 
 
@@ -165,8 +180,9 @@ class AcceptanceEstimate:
                    input_ids.cpu().tolist())
         for acc, mask, doc, ids in rows:
             w = walk_rounds(acc, mask, doc, ids)
-            self.sums[:6] += torch.tensor([w[f] for f in FIELDS[:6]], dtype=torch.float64)
-        self.sums[6:] += greedy_sums
+            self.sums[:WALKED] += torch.tensor([w[f] for f in FIELDS[:WALKED]],
+                                              dtype=torch.float64)
+        self.sums[WALKED:] += greedy_sums
         return greedy
 
     @staticmethod
@@ -174,6 +190,8 @@ class AcceptanceEstimate:
         s = dict(zip(FIELDS, sums.double().cpu().tolist()))
         return {
             "sim_accept": s["accept_sum"] / s["rounds"] if s["rounds"] else None,
+            "sim_accept_se": standard_error(s),
+            "sim_samples": int(s["samples"]),
             "sim_rounds": int(s["rounds"]),
             "sim_accept_loop_free": (s["loop_free_accept_sum"] / s["loop_free_rounds"]
                                      if s["loop_free_rounds"] else None),
@@ -183,3 +201,16 @@ class AcceptanceEstimate:
             "greedy_in_draft_vocab": (s["greedy_in_vocab"] / s["supervised_tokens"]
                                       if s["supervised_tokens"] else None),
         }
+
+
+def standard_error(s: dict) -> float | None:
+    """The standard error of the estimate R = sum(a_i) / sum(r_i) over n samples (a_i accepted
+    tokens and r_i verify rounds of sample i): the ratio estimator's, with samples as the
+    independent units (rounds within one sample are not independent),
+    sqrt(n / (n - 1) * sum((a_i - R r_i)^2)) / sum(r_i), from the summed moments."""
+    n, rounds = s["samples"], s["rounds"]
+    if n < 2 or not rounds:
+        return None
+    R = s["accept_sum"] / rounds
+    spread = s["accept_sq"] - 2 * R * s["accept_rounds"] + R * R * s["rounds_sq"]
+    return (n / (n - 1) * max(spread, 0.0)) ** 0.5 / rounds

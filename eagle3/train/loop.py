@@ -457,12 +457,15 @@ def _run_eval(run: TrainRun, step: int) -> dict:
 
 
 def acceptance_note(result: dict) -> str:
-    """`sim-accept 1.52 (loop share 0%, loop-free 1.50; data greedy 100%, greedy in draft vocab
-    97%)` from an evaluation's result."""
+    """`sim-accept 1.520 +- 0.031 (256 samples) (loop share 0%, loop-free 1.50; data greedy
+    100%, greedy in draft vocab 97%)` from an evaluation's result (the standard error where
+    there are two samples or more)."""
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    return (f"sim-accept {f(result.get('eval_sim_accept'), '.3f')} (loop share "
+    se = result.get("eval_sim_accept_se")
+    spread = f" +- {se:.3f} ({result.get('eval_sim_samples')} samples)" if se is not None else ""
+    return (f"sim-accept {f(result.get('eval_sim_accept'), '.3f')}{spread} (loop share "
             f"{f(result.get('eval_loop_share'), '.0%')}, loop-free "
             f"{f(result.get('eval_sim_accept_loop_free'), '.3f')}; data greedy "
             f"{f(result.get('eval_greedy_share'), '.0%')}, greedy in draft vocab "

@@ -182,3 +182,39 @@ def test_estimate_equals_the_evaluators_acceptance_when_records_are_greedy_conti
         assert sim["sim_accept_loop_free"] == pytest.approx(free["acceptance_length"], abs=1e-9)
     assert sim["greedy_share"] == 1.0
     assert sim["greedy_in_draft_vocab"] < 1.0
+
+
+def test_standard_error_is_the_ratio_estimators_over_samples_from_summed_moments():
+    """Three samples in two packed rows: the standard error from the sums the eval reduces
+    equals sqrt(n/(n-1) * sum((a_i - R r_i)^2)) / sum(r_i) computed from each sample walked
+    on its own (a_i accepted tokens, r_i rounds); one sample has none."""
+    import math
+
+    from eagle3.train.acceptance import FIELDS, WALKED, AcceptanceEstimate
+
+    samples = [  # (accepted per anchor, loss mask): prompt of 3, span of 7
+        ([0, 0, 2, 0, 0, 1, 3, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]),
+        ([0, 0, 1, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]),
+        ([0, 3, 0, 0, 0, 2, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
+    ]
+    alone = [walk_rounds(acc, mask, [0] * 10, list(range(10))) for acc, mask in samples]
+    a = [w["accept_sum"] for w in alone]
+    r = [w["rounds"] for w in alone]
+    assert len(set(ai / ri for ai, ri in zip(a, r))) == 3  # the samples disagree: a spread
+    R = sum(a) / sum(r)
+    want = math.sqrt(3 / 2 * sum((ai - R * ri) ** 2 for ai, ri in zip(a, r))) / sum(r)
+
+    rows = [(samples[0][0] + samples[1][0], samples[0][1] + samples[1][1], [0] * 10 + [1] * 10),
+            (samples[2][0], samples[2][1], [0] * 10)]
+    sums = torch.zeros(len(FIELDS), dtype=torch.float64)
+    for acc, mask, doc in rows:
+        w = walk_rounds(acc, mask, doc, list(range(len(acc))))
+        sums[:WALKED] += torch.tensor([w[f] for f in FIELDS[:WALKED]], dtype=torch.float64)
+    got = AcceptanceEstimate.result(sums)
+    assert got["sim_samples"] == 3
+    assert got["sim_accept"] == pytest.approx(R)
+    assert got["sim_accept_se"] == pytest.approx(want, rel=1e-12)
+    one = walk_rounds(*samples[0], [0] * 10, list(range(10)))
+    single = torch.zeros(len(FIELDS), dtype=torch.float64)
+    single[:WALKED] += torch.tensor([one[f] for f in FIELDS[:WALKED]], dtype=torch.float64)
+    assert AcceptanceEstimate.result(single)["sim_accept_se"] is None
