@@ -1,13 +1,14 @@
 """Training checkpoints: `step_{step:06d}/` folders, written under a temp name then renamed,
 valid only with their `COMPLETE` marker; the latest complete one is resumed from.
 
-Writing runs in the background (`CheckpointWriter`): the loop blocks only while the state is
-copied to host memory (reused pinned buffers on CUDA), then a writer thread serialises, fsyncs
-and renames while training goes on. The pinned buffers (12.7 GB for a Kimi-K2.5-size draft and
-its AdamW moments) are allocated by `reserve`, in a thread, after the first optimizer step: on
-one H200 allocating them inside the first save had blocked the loop for 17.8 s (BENCHMARKS.md,
-"The whole stage, end to end"). The rename stays last, so a kill mid-write leaves the previous checkpoint the
-latest complete one; one save is in flight at a time, and the stage waits for it before it
+Writing runs in the background (`CheckpointWriter`): the loop only enqueues the copy of the
+state into host memory (reused pinned buffers on CUDA; on one H200 the copy of a Kimi-K2.5-size
+draft and its AdamW moments, 12.7 GB, made the next log window 0.33 s slower), then a writer
+thread waits for it, serialises, fsyncs and renames while training goes on. The pinned buffers
+are allocated by `reserve`, in a thread, after the first optimizer step: allocating them inside
+the first save had blocked the loop for 17.8 s (BENCHMARKS.md, "The whole stage, end to end").
+The rename stays last, so a kill mid-write leaves the previous checkpoint the latest complete
+one; one save is in flight at a time, and the stage waits for it before it
 exports or exits. A writer error (a full disk) is raised in the loop at the next save or at the
 end.
 
@@ -137,6 +138,7 @@ class CheckpointWriter:
         self._pinned: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._reserving: threading.Thread | None = None
+        self._on_device = False  # the save in progress copied a device tensor
         self._error: BaseException | None = None
 
     def reserve(self, state: dict) -> None:

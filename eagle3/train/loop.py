@@ -139,7 +139,7 @@ def _topk_arg(batch: dict) -> dict | None:
     return {k: batch[k] for k in ("teacher_ids", "teacher_logprobs", "has_final")}
 
 
-EVAL_CACHE_BYTES = 16e9  # eval rows kept in host memory after the first eval, per rank, up to
+EVAL_CACHE_BYTES = 16e9  # at most this many bytes of eval rows a rank keeps in host memory
 
 
 def eval_batches(files: list[Path], lengths: list[int], cfg: TrainConfig, rt: Runtime,
