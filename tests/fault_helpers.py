@@ -4,6 +4,7 @@ damaged copies of files.
 
     with small_disk(tmp_path / "disk", kib=256) as disk:   # a real tmpfs, or None
         ...
+        fill_disk(disk, leave=8_000)                      # a ballast file: ~8 kB stay free
     with full_disk_shim(monkeypatch, after_bytes=1000):   # every file write past 1000 B: ENOSPC
         ...
 """
@@ -38,6 +39,27 @@ def small_disk(path: Path, kib: int = 256):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill_disk(disk: Path, leave: int, name: str = "ballast") -> Path:
+    """Write `disk/name` until about `leave` bytes stay free, as another process filling the disk
+    would. The stage may be writing at the same moment, so the space seen before the ballast is
+    written can be gone by the time it is: the ballast then stops at ENOSPC (a disk fuller than
+    asked) instead of failing the test with the stage's error."""
+    path = Path(disk) / name
+    stat = os.statvfs(disk)
+    todo = max(0, stat.f_bavail * stat.f_frsize - leave)
+    chunk = bytes(1 << 16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while todo > 0:
+            todo -= os.write(fd, chunk[:min(todo, len(chunk))])
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    return path
 
 
 def make_read_only(mountpoint: Path) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from bench_fake_server import FakeBenchServer
 from bench_helpers import fake_sglang_shim, free_port, make_tiny_draft, port_is_open
-from fault_helpers import small_disk, truncate_copy
+from fault_helpers import fill_disk, small_disk, truncate_copy
 
 from eagle3.bench.prompts import load_prompt_set
 from eagle3.core.faults import BadRecords, DiskError, InputFileError, TooManyBad
@@ -141,9 +141,7 @@ def test_benchmark_stops_on_a_full_disk_and_completes_once_space_is_back(
     with small_disk(tmp_path / "disk", kib=1024) as disk:
         if disk is None:
             pytest.skip("cannot mount a tmpfs here")
-        filler = disk / "filler"
-        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-        filler.write_bytes(b"\0" * (free - 24 * 1024))  # room for requests, not the plots
+        filler = fill_disk(disk, leave=24 * 1024, name="filler")  # room for requests, not plots
         with FakeBenchServer({}, step_s=0.0) as base, \
                 FakeBenchServer(SPEC_INFO, tokens_per_verify=3, step_s=0.0) as spec:
             argv = _argv(disk / "run", tiny_target_dir, tiny_draft, "--baseline-url", base,

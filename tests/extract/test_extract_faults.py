@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from extract_helpers import STAGE, copy_merged, data_files, main_02b, write_merged
-from fault_helpers import small_disk, truncate_copy
+from fault_helpers import fill_disk, small_disk, truncate_copy
 
 from eagle3.core import hidden_states as hs
 from eagle3.core.faults import script_main
@@ -218,8 +218,7 @@ def test_main_stops_with_disk_error_and_rerun_ends_with_the_uninterrupted_files(
                     (disk / "ballast").touch()
                     assert _read_only_on_top(disk)
                     return
-                free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-                (disk / "ballast").write_bytes(b"\0" * (free - 20_000))  # another process
+                fill_disk(disk, leave=20_000)  # another process
 
         monkeypatch.setattr(SplitWriter, "mark_written", fill_after_three)
         assert script_main(lambda: main_02b()(_hf(workdir, tiny_target_dir)), "02b") == 1

@@ -23,7 +23,7 @@ from extract_helpers import (
     write_merged,
 )
 from fake_dump_server import FakeDumpServer, Faults
-from fault_helpers import small_disk
+from fault_helpers import fill_disk, small_disk
 
 from eagle3.core.faults import DiskError, script_main
 from eagle3.core.records import read_jsonl
@@ -189,8 +189,7 @@ def test_extract_sglang_stops_with_disk_error_when_disk_fills_and_rerun_complete
         def fill_after_two(self, idx, *a, **kw):
             real(self, idx, *a, **kw)
             if len(self.done) == 2 and not (disk / "ballast").exists():
-                free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-                (disk / "ballast").write_bytes(b"\0" * (free - 8_000))
+                fill_disk(disk, leave=8_000)
 
         monkeypatch.setattr(SplitWriter, "mark_written", fill_after_two)
         with pytest.raises(DiskError, match=f"no space left in {disk / 'w' / STAGE / 'train'}"):

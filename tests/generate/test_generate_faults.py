@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from fault_helpers import make_read_only, make_writable, small_disk
+from fault_helpers import fill_disk, make_read_only, make_writable, small_disk
 from stage_helpers import assert_same_folder
 
 from eagle3.core.faults import DiskError, InputFileError, TooManyBad, script_main
@@ -277,8 +276,7 @@ def test_full_then_read_only_disk_stop_naming_the_folder_and_rerun_equals_clean_
         write_prepared_stage(run, {"ds": convs})
         assert _main(_argv(tmp_path / "ref", tiny_target_dir, server.url)) == 0
         ref_bytes = sum(p.stat().st_size for p in (tmp_path / "ref" / STAGE / "ds").iterdir())
-        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-        (disk / "ballast").write_bytes(b"\0" * (free - ref_bytes // 3))
+        fill_disk(disk, leave=ref_bytes // 3)
         with pytest.raises(DiskError) as err:
             _main(_argv(run, tiny_target_dir, server.url))
         msg = str(err.value)

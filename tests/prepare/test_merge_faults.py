@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from fault_helpers import small_disk
+from fault_helpers import fill_disk, small_disk
 from stage_helpers import assert_same_folder
 
 from eagle3.core.faults import DiskError, InputFileError, TooManyBad
@@ -154,8 +153,7 @@ def test_full_disk_while_writing_splits_leaves_no_partial_file_and_rerun_is_iden
             pytest.skip("cannot mount a tmpfs here")
         run = disk / "run"
         write_upstream(run, sources)
-        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-        (disk / "ballast").write_bytes(b"\0" * (free - train_bytes // 2))
+        fill_disk(disk, leave=train_bytes // 2)
         with pytest.raises(DiskError) as err:
             merge(run)
         assert "no space left" in str(err.value) and str(run / OUT) in str(err.value)
