@@ -68,7 +68,8 @@ class TrainConfig(UpstreamStageFlags):
                                "fails the gradient criterion of eagle3/train/fp8_check.py by "
                                "~25x, as every recipe with FP8 forward or input-gradient GEMMs "
                                "does (the weight-gradient-only one passes, no faster than bf16: "
-                               "BENCHMARKS.md); auto = on for CUDA GPUs with FP8, off on CPU; "
+                               "BENCHMARKS.md); auto = off on every device until a recipe "
+                               "passes the criterion and trains faster; "
                                "eval and the exported draft stay bf16",
                         choices=list(FP8_MODES))
     tensorboard: bool = arg(True, "also log to TensorBoard when the package is installed")

@@ -71,16 +71,19 @@ def fp8_supported(device: torch.device) -> str | None:
 
 
 def resolve_mode(mode: str, device: torch.device) -> bool:
-    """Whether 04 trains with FP8 GEMMs: `auto` = on for CUDA GPUs that have them, off on CPU;
-    `on` on a device without them is an error naming the flag."""
+    """Whether 04 trains with FP8 GEMMs. `auto` = what 04 recommends: off on every device, since
+    the recipe `on` trains with fails the gradient criterion (eagle3/train/fp8_check.py) by ~25x
+    on the H200 and the one recipe that passes it is no faster than bf16 (BENCHMARKS.md, "Is FP8
+    sound?"); `on` forces it (experimental), and on a device without FP8 GEMMs is an error naming
+    the flag."""
     if mode not in MODES:
         raise ValueError(f"--fp8-gemm {mode!r}: expected one of {MODES}")
-    if mode == "off":
+    if mode != "on":
         return False
     why = fp8_supported(device)
-    if mode == "on" and why:
+    if why:
         raise ValueError(f"--fp8-gemm on: {why}; use --fp8-gemm off")
-    return why is None and (mode == "on" or device.type == "cuda")
+    return True
 
 
 def quantize_rows(t_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -229,7 +229,14 @@ def test_04_is_off_by_default_until_the_gpu_run_with_refreshed_copies_is_measure
     assert build_runtime(TrainConfig(target=Path("t")), torch.device("cpu"), DistInfo()).fp8 is False
 
 
-def test_auto_is_on_only_on_cuda_and_on_works_on_cpu():
+def test_auto_stays_off_even_on_a_gpu_with_fp8_and_on_works_on_cpu(monkeypatch):
+    """`auto` must not turn on the recipe that fails the gradient criterion on an FP8 GPU."""
+    import eagle3.train.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: None)  # as on an H200
+    assert resolve_mode("auto", torch.device("cuda")) is False
+    assert resolve_mode("on", torch.device("cuda")) is True
+    monkeypatch.undo()
     cpu = torch.device("cpu")
     assert resolve_mode("auto", cpu) is False
     assert resolve_mode("on", cpu) is True
