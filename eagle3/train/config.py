@@ -57,6 +57,13 @@ class TrainConfig(UpstreamStageFlags):
                          choices=["auto", "flex", "naive"])
     compile: bool | None = arg(None, "torch.compile the TTT forward (the first steps compile; "
                                      "None = on for cuda, off for cpu; --no-compile = eager)")
+    compile_cache: Path | None = arg(None, "folder of torch.compile's cache (Inductor's and "
+                                           "Triton's compiled kernels), kept across runs: a "
+                                           "resumed or re-run 04 compiles from it in a fraction "
+                                           "of the time, also on a fresh container or host "
+                                           "(default <workdir>/.cache/torch_compile; a "
+                                           "TORCHINDUCTOR_CACHE_DIR set in the environment "
+                                           "wins)")
     ttt_unroll: str = arg("shared", "shared: the embedding half of the attention's input "
                                     "projections once per batch and flex attention over step "
                                     "0's keys with the later steps' merged in (14%% fewer "

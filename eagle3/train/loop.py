@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -103,6 +104,9 @@ class Runtime:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
 
+COMPILE_CACHE = Path(".cache") / "torch_compile"  # under the workdir (--compile-cache)
+
+
 def build_runtime(cfg: TrainConfig, device: torch.device, dist: DistInfo) -> Runtime:
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     attention = cfg.attention if cfg.attention != "auto" else (
@@ -114,6 +118,34 @@ def build_runtime(cfg: TrainConfig, device: torch.device, dist: DistInfo) -> Run
         torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory_fraction, device)
     return Runtime(device, dist, bf16, attention, compile_forward,
                    resolve_fp8(cfg.fp8_gemm, device))
+
+
+@contextlib.contextmanager
+def compile_cache(cfg: TrainConfig, rt: Runtime):
+    """While the run trains, torch.compile's cache (Inductor's, and Triton's below it) is
+    --compile-cache, or `<workdir>/.cache/torch_compile`, unless the environment names one;
+    yields the folder (None for an eager run). Inductor's default, a folder in /tmp, is lost
+    with the container or host a failed run leaves; in the workdir, a re-run compiles from it
+    (on CPU, the tiny draft's first window took 74 s cold and 12 s from the cache:
+    BENCHMARKS.md). Inductor writes its entries atomically, so the ranks of a run share the
+    folder, as they share /tmp's by default."""
+    if not rt.compile and rt.device.type != "cuda":  # nothing compiles
+        yield None
+        return
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:  # Inductor reads it at each lookup
+        folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        if rt.dist.is_main:
+            log.info("torch.compile cache: %s (TORCHINDUCTOR_CACHE_DIR)", folder)
+        yield folder
+        return
+    folder = Path(cfg.compile_cache or cfg.workdir / COMPILE_CACHE).absolute()
+    if rt.dist.is_main:
+        log.info("torch.compile cache: %s", folder)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    try:
+        yield folder
+    finally:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 @dataclass
@@ -277,7 +309,15 @@ def train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
           embed_VH: torch.Tensor, teacher_VdH: torch.Tensor, rt: Runtime,
           lm_head_VH: torch.Tensor) -> dict:
     """Train `draft` in place (checkpoints under `out_dir/checkpoints`); returns the summary.
-    `lm_head_VH` (the target's whole lm_head) serves only the evaluation's acceptance estimate."""
+    `lm_head_VH` (the target's whole lm_head) serves only the evaluation's acceptance estimate.
+    What compiles, compiles from and into the run's compile cache (`compile_cache`)."""
+    with compile_cache(cfg, rt):
+        return _train(cfg, out_dir, data, draft, embed_VH, teacher_VdH, rt, lm_head_VH)
+
+
+def _train(cfg: TrainConfig, out_dir: Path, data: TrainData, draft: Eagle3Draft,
+           embed_VH: torch.Tensor, teacher_VdH: torch.Tensor, rt: Runtime,
+           lm_head_VH: torch.Tensor) -> dict:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     width = row_width(cfg.max_seq_len, cfg.pack_tokens,
                       max(data.train_lengths + data.eval_lengths))
