@@ -46,6 +46,13 @@ def write_dataset(root: Path, n: int, seed: int, lengths=(12, 60), layouts=("bf1
         atomic_torch_save(data, hs.file_path(root, i))
 
 
+def write_splits(root: Path, train: int, eval: int) -> Path:
+    """A train and an eval split of `write_dataset` files under `root` (seeds 1 and 2)."""
+    write_dataset(root / "train", train, seed=1)
+    write_dataset(root / "eval", eval, seed=2)
+    return root
+
+
 def tiny_parts(seed: int = 0, kv_heads: int = 1):
     """(draft, embed, teacher) of a 16-wide draft with a 24-id draft vocabulary (`kv_heads=2`:
     every linear layer's sizes are multiples of 16, as FP8 GEMMs need)."""

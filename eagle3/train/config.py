@@ -60,8 +60,8 @@ class TrainConfig(UpstreamStageFlags):
     compile_cache: Path | None = arg(None, "folder of torch.compile's cache (Inductor's and "
                                            "Triton's compiled kernels), kept across runs: a "
                                            "resumed or re-run 04 compiles from it in a fraction "
-                                           "of the time, also on a fresh container or host "
-                                           "(default <workdir>/.cache/torch_compile; a "
+                                           "of the time, also in a fresh container that mounts "
+                                           "the same workdir (default <workdir>/.cache/torch_compile; a "
                                            "TORCHINDUCTOR_CACHE_DIR set in the environment "
                                            "wins)")
     ttt_unroll: str = arg("shared", "shared: the embedding half of the attention's input "

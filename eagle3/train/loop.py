@@ -125,22 +125,19 @@ def compile_cache(cfg: TrainConfig, rt: Runtime):
     """While the run trains, torch.compile's cache (Inductor's, and Triton's below it) is
     --compile-cache, or `<workdir>/.cache/torch_compile`, unless the environment names one;
     yields the folder (None for an eager run). Inductor's default, a folder in /tmp, is lost
-    with the container or host a failed run leaves; in the workdir, a re-run compiles from it
-    (on CPU, the tiny draft's first window took 74 s cold and 12 s from the cache:
-    BENCHMARKS.md). Inductor writes its entries atomically, so the ranks of a run share the
-    folder, as they share /tmp's by default."""
+    with the container a failed run leaves; in the workdir, a re-run compiles from it (on CPU,
+    the tiny draft's first log window took 69.7 s cold and 16.4 s from the cache:
+    BENCHMARKS.md). The ranks of a run share the folder, as they share /tmp's by default."""
     if not rt.compile and rt.device.type != "cuda":  # nothing compiles
         yield None
         return
-    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:  # Inductor reads it at each lookup
-        folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-        if rt.dist.is_main:
-            log.info("torch.compile cache: %s (TORCHINDUCTOR_CACHE_DIR)", folder)
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # Inductor reads it at each lookup
+    folder = Path(named or cfg.compile_cache or cfg.workdir / COMPILE_CACHE).absolute()
+    if rt.dist.is_main:
+        log.info("torch.compile cache: %s%s", folder, " (TORCHINDUCTOR_CACHE_DIR)" if named else "")
+    if named:
         yield folder
         return
-    folder = Path(cfg.compile_cache or cfg.workdir / COMPILE_CACHE).absolute()
-    if rt.dist.is_main:
-        log.info("torch.compile cache: %s", folder)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     try:
         yield folder

@@ -19,10 +19,7 @@ ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("cachedata")
-    th.write_dataset(root / "train", 8, seed=1)
-    th.write_dataset(root / "eval", 2, seed=2)
-    return root
+    return th.write_splits(tmp_path_factory.mktemp("cachedata"), 8, 2)
 
 
 def _runtime(compiled: bool) -> Runtime:

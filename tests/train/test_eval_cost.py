@@ -15,10 +15,7 @@ from eagle3.train import acceptance, loop
 
 @pytest.fixture(scope="module")
 def eval_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("evalcost")
-    th.write_dataset(root / "train", 40, seed=1)
-    th.write_dataset(root / "eval", 6, seed=2)
-    return root
+    return th.write_splits(tmp_path_factory.mktemp("evalcost"), 40, 6)
 
 
 def _eval_rows(out_dir):

@@ -249,10 +249,7 @@ def test_auto_stays_off_even_on_a_gpu_with_fp8_and_on_works_on_cpu(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fp8data")
-    th.write_dataset(root / "train", 24, seed=1)
-    th.write_dataset(root / "eval", 4, seed=2)
-    return root
+    return th.write_splits(tmp_path_factory.mktemp("fp8data"), 24, 4)
 
 
 def test_04_with_fp8_gemms_compiled_and_fused_adamw_learns_like_the_fp32_run(

@@ -158,10 +158,7 @@ def test_grad_error_is_one_minus_the_cosine_in_float64():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fp8recipedata")
-    th.write_dataset(root / "train", 24, seed=1)
-    th.write_dataset(root / "eval", 4, seed=2)
-    return root
+    return th.write_splits(tmp_path_factory.mktemp("fp8recipedata"), 24, 4)
 
 
 def test_04_trains_with_tiles_and_weight_blocks_like_the_fp32_run(tiny_data, tmp_path,

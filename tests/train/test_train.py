@@ -112,10 +112,7 @@ def test_loss_compares_each_step_with_the_target_distribution_at_t_plus_1_plus_k
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tinydata")
-    th.write_dataset(root / "train", 40, seed=1)
-    th.write_dataset(root / "eval", 6, seed=2)
-    return root
+    return th.write_splits(tmp_path_factory.mktemp("tinydata"), 40, 6)
 
 
 def test_ddp_on_two_processes_equals_one_process_when_the_global_batch_is_equal(
