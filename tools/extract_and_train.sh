@@ -11,9 +11,14 @@ if [ "${STREAM:-0}" = 1 ]; then
     producer=$!
     train --stream &
     trainer=$!
-    # on the way out (one failed, or a signal): the other and the stage it runs
+    # On the way out (one failed, or a signal): each side's shell is frozen first, so that it
+    # can neither start its stage late nor run on once the stage ends; then the stage (its
+    # child) gets SIGTERM, which it handles (finishes or abandons the record in flight), and
+    # the frozen shell SIGKILL, which it cannot outlive.
     trap 'for p in "$producer" "$trainer"; do
-              pkill -TERM -P "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true
+              kill -STOP "$p" 2>/dev/null || continue
+              pkill -TERM -P "$p" 2>/dev/null || true
+              kill -KILL "$p" 2>/dev/null || true
           done' EXIT
     set +e
     wait -n -p first "$producer" "$trainer"  # the first to end (bash >= 5.1)
