@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Stage 01: public datasets -> conversation records and token-exact samples, per dataset.
+"""Stage 01: public datasets (or prompts the target writes itself) -> conversation records and
+token-exact samples, per dataset.
 
 Reads a recipe from datasets/ and writes, for each of its datasets,
 `<workdir>/01_prepared/<dataset>/conversations.jsonl` (OpenAI-shaped messages, stable ids),
 `tokenized.jsonl` (datasets whose replies are kept: input_ids + loss_mask rendered with the
 target's chat template, docs/PIPELINE.md "Records") and `quarantine.jsonl` (every rejected row and
 why). Datasets run in parallel worker processes, in chunks; killed and re-run with the same
-command, the stage continues from the finished chunks and ends with the same bytes.
+command, the stage continues from the finished chunks and ends with the same bytes. A
+`self_written` dataset is first written by the target (in process, or through an SGLang server
+with --gen-backend sglang), round by round (a re-run resumes), with `heldout.jsonl` beside it.
 
 Tiny target (demo):
     python 01_prepare_datasets.py --recipe datasets/demo.json --workdir runs/demo \
@@ -14,6 +17,10 @@ Tiny target (demo):
 Real run:
     python 01_prepare_datasets.py --recipe datasets/kimi_k25_mix.json --workdir runs/kimi-k25 \
         --target /models/Kimi-K2.5 --num-workers 32
+SmolLM2 writing its own prompts on a GPU:
+    python 01_prepare_datasets.py --recipe datasets/smollm2_self_written.json \
+        --workdir runs/smollm2-self --target runs/smollm2/target --device cuda \
+        --dtype bfloat16 --gen-batch-size 512
 """
 
 from __future__ import annotations

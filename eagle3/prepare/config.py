@@ -14,7 +14,8 @@ from eagle3.core.target import TRUST_HELP, check_remote_code
 class PrepareConfig(StageFlags):
     recipe: Path = arg(help="dataset recipe JSON (see datasets/)")
     target: Path = arg(help="target model folder: its tokenizer and chat template render "
-                            "every sample (only the tokenizer files are read)")
+                            "every sample (its weights are read only to write a self_written "
+                            "dataset with --gen-backend hf)")
     trust_remote_code: bool = arg(False, TRUST_HELP)
     thinking: bool = arg(True, "render with thinking on, the served reasoning mode (must "
                                "match 01b's --thinking)")
@@ -26,6 +27,17 @@ class PrepareConfig(StageFlags):
     max_loss: float = arg(0.5, "warn (summary and manifest) when a dataset quarantines more "
                                "than this share of the rows read, 0..1; one with no record "
                                "always warns")
+    gen_backend: str = arg("hf", "who writes self_written datasets: hf (the target loaded in "
+                                 "process, eagle3.generate.fast) or sglang (a server's "
+                                 "/generate, for targets too large to load here)",
+                           choices=["hf", "sglang"])
+    server_url: list[str] = arg(["http://127.0.0.1:30000"], "sglang: server base URLs of the "
+                                                            "target")
+    gen_batch_size: int = arg(64, "self_written: prompts generated together (hf: one batch; "
+                                  "sglang: requests in flight); part of what fixes the sampled "
+                                  "turns (changing it starts the dataset over)")
+    dtype: str = arg("float32", "hf: model dtype", choices=["float32", "bfloat16", "float16"])
+    device: str = arg("cpu", "hf: torch device (cuda, cuda:1, cpu)")
 
     def __post_init__(self) -> None:
         check_remote_code(self.target, self.trust_remote_code)
@@ -37,6 +49,8 @@ class PrepareConfig(StageFlags):
             raise ValueError("--max-loss must be within 0..1 (a share of the rows read)")
         if self.verify_every < 0:
             raise ValueError("--verify-every must be >= 0 (0 = never)")
+        if self.gen_batch_size < 1:
+            raise ValueError("--gen-batch-size must be >= 1")
         if not (Path(self.target) / "tokenizer_config.json").is_file():
             raise ValueError(f"--target {self.target}: no tokenizer_config.json there; point "
                              "it at the target model folder")

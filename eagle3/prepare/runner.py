@@ -201,10 +201,8 @@ class DatasetRun:
 def open_run(spec: DatasetSpec, out_dir: Path, source: RowSource, chunk_size: int,
              render_fp: str) -> DatasetRun | dict:
     """A DatasetRun resuming from finished chunks, or the counts of a dataset already done."""
-    key = {"spec": spec.to_json(), "source": describe(source), "chunk_size": chunk_size,
+    key = {"spec": spec.content_key(), "source": describe(source), "chunk_size": chunk_size,
            "render": render_fp}
-    for volatile in ("merge_cap", "merge_weight", "overlength", "description"):
-        key["spec"].pop(volatile)  # read by the merge only: changing them redoes nothing here
     fp = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     done = out_dir / "done.json"
     if done.exists():

@@ -1,5 +1,6 @@
 """Stage 01's door: `check_inputs(cfg)` (the recipe and its sources) before the stage folder is
-opened, `run(cfg, stage, recipe, sources)` after: every dataset of the recipe read, adapted to
+opened, `run(cfg, stage, recipe, sources)` after: the self-written datasets written by the target
+(eagle3/prepare/selfwritten_run.py), then every dataset of the recipe read, adapted to
 conversations and rendered with the target's template (eagle3/prepare/runner.py)."""
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ import os
 import time
 from pathlib import Path
 
+from eagle3.core.chat import ChatRenderer
 from eagle3.core.progress import human_bytes, human_seconds
 from eagle3.core.stage import STAGE_DIRS, Stage, StageResult
+from eagle3.core.target import load_tokenizer
+from eagle3.prepare import selfwritten_run
 from eagle3.prepare.config import PrepareConfig
 from eagle3.prepare.recipes import load_recipe
 from eagle3.prepare.rows import RenderMismatch
 from eagle3.prepare.runner import RenderSettings, open_run, run_prepare, source_warnings
-from eagle3.prepare.sources import describe, open_source
+from eagle3.prepare.sources import LocalSource, describe, open_source
 
 __all__ = ["STAGE", "PrepareConfig", "check_inputs", "run"]
 
@@ -27,8 +31,15 @@ def check_inputs(cfg: PrepareConfig) -> tuple:
     """(recipe, {dataset: source}); RecipeError or SourceError before any folder is made."""
     recipe = load_recipe(cfg.recipe)
     sources = {s.name: open_source(s.path, s.hf, s.seed if s.sample == "random" else None)
-               for s in recipe.datasets}
+               for s in recipe.datasets if s.self_written is None}
+    if any(s.self_written is not None for s in recipe.datasets):
+        selfwritten_run.check_self_written(recipe, _renderer(cfg))
     return recipe, sources
+
+
+def _renderer(cfg: PrepareConfig) -> ChatRenderer:
+    return ChatRenderer(load_tokenizer(cfg.target, cfg.trust_remote_code),
+                        {"thinking": cfg.thinking})
 
 
 def run(cfg: PrepareConfig, stage: Stage, recipe, sources: dict) -> StageResult:
@@ -38,6 +49,11 @@ def run(cfg: PrepareConfig, stage: Stage, recipe, sources: dict) -> StageResult:
     settings = RenderSettings(cfg.target, {"thinking": cfg.thinking}, None, cfg.verify_every,
                               cfg.exact_render, cfg.trust_remote_code)
     stage.add_input(cfg.recipe)
+    written = {}
+    if specs := [s for s in recipe.datasets if s.self_written is not None]:
+        written = selfwritten_run.write_self_written(cfg, stage.dir, specs, _renderer(cfg),
+                                                     settings.fingerprint())
+        sources.update({name: LocalSource(w.conversations) for name, w in written.items()})
     runs, outputs = [], {}
     for spec in recipe.datasets:
         stage.inputs.append({"dataset": spec.name, **describe(sources[spec.name])})
@@ -52,6 +68,9 @@ def run(cfg: PrepareConfig, stage: Stage, recipe, sources: dict) -> StageResult:
     except RenderMismatch as e:
         return StageResult(None, 1, f"01_prepare_datasets: {e}")
     datasets = {s.name: {**outputs[s.name], **_contract(s)} for s in recipe.datasets}
+    for name, w in written.items():
+        selfwritten_run.place_heldout(w, stage.dir / name)
+        datasets[name]["self_written"] = w.info
     warnings = source_warnings(datasets, cfg.max_loss)
     for w in warnings:
         log.warning("%s", w)
@@ -79,6 +98,8 @@ def _summary_rows(datasets: dict, seconds: float, disk: int, out: Path,
         rows[name] = (f"{c['records']:,} rec ({c['mode']}), {c['samples']:,} samples, "
                       f"{c['tokens']:,} tok, {c['truncated']:,} cut to fit, "
                       f"quarantined {c['quarantined']:,}")
+        if "self_written" in c:
+            rows.update(selfwritten_run.summary_rows(name, c["self_written"]))
         reasons = sorted(c["quarantine_reasons"].items(), key=lambda kv: (-kv[1], kv[0]))
         for k in range(0, len(reasons), 4):  # every reason, four a line, keyed by dataset
             rows[f"  {name} quarantine" + (f" ({k // 4 + 1})" if k else "")] = ", ".join(

@@ -1,0 +1,165 @@
+"""Stage 01's side of the self-written source (eagle3/prepare/selfwritten.py): the template check
+before the stage starts, the target loaded once for every self-written dataset, each dataset's
+rounds written and resumed, its conversations handed to 01 as a local source, and `heldout.jsonl`
+placed beside its output.
+
+Files, under `01_prepared/.self_written/<dataset>/<fingerprint>/`: `round_NNNN.json` (one per
+round, written whole), `conversations.jsonl` (`{"id", "messages"}` a line, read by 01 with the
+`openai` adapter like any local file), `heldout.jsonl` (conversation records of one user turn,
+which 05 `--prompt-sets` reads) and `stats.json` (the manifest entry). The fingerprint covers the
+recipe entry, the tokenizer and template, the model's files, the backend and, for `hf`, dtype,
+device type and batch size (which change the sampled numbers): a changed one starts over (the
+old rounds are dropped, logged).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.core.chat import ChatRenderer
+from eagle3.core.faults import StopSignals
+from eagle3.core.server import ServerError
+from eagle3.core.stage import atomic_write_bytes, atomic_write_json
+from eagle3.prepare.config import PrepareConfig
+from eagle3.prepare.opening import TemplateCutError, derive_opening
+from eagle3.prepare.recipes import DatasetSpec, Recipe, RecipeError
+from eagle3.prepare.selfwritten import SelfWriter, SelfWrittenError, writer_summary
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR = ".self_written"  # under 01_prepared/: no dataset name starts with a dot
+HELDOUT = "heldout.jsonl"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+@dataclass
+class SelfWritten:
+    """One dataset's written files and its manifest entry."""
+
+    conversations: Path
+    heldout: Path
+    info: dict
+
+
+def check_self_written(recipe: Recipe, renderer: ChatRenderer) -> None:
+    """Every self-written dataset's template cut, before any folder is made (RecipeError)."""
+    for spec in recipe.datasets:
+        if spec.self_written is not None:
+            try:
+                derive_opening(renderer, spec.self_written.system)
+            except TemplateCutError as e:
+                raise RecipeError(f"recipe {recipe.name}: dataset {spec.name} (self_written): "
+                                  f"{e}") from e
+
+
+def write_self_written(cfg: PrepareConfig, stage_dir: Path, specs: list[DatasetSpec],
+                       renderer: ChatRenderer, render_fp: str) -> dict[str, SelfWritten]:
+    """Write (or finish, or reuse) every self-written dataset; the target loads at most once."""
+    generator = _LazyGenerator(cfg, renderer)
+    out = {}
+    with StopSignals() as stop:
+        for spec in specs:
+            fp = fingerprint(cfg, spec, render_fp)
+            root = Path(stage_dir) / CACHE_DIR / spec.name
+            for old in sorted(root.iterdir()) if root.is_dir() else []:
+                if old.name != fp:
+                    log.warning("%s: recipe entry, target or generation settings changed: "
+                                "dropping the self-written rounds of %s", spec.name, old.name)
+                    shutil.rmtree(old)
+            cache = root / fp
+            writer = SelfWriter(spec.name, spec.self_written, renderer, cache, count=spec.count,
+                                seed=spec.seed, max_seq_len=spec.max_seq_len,
+                                batch_size=cfg.gen_batch_size, load_generator=generator.get)
+            try:
+                st = writer.run(stop)
+            except ServerError as e:
+                raise SelfWrittenError(f"{spec.name}: the generation server failed ({e}); "
+                                       "restart it and re-run the same command to resume") from e
+            out[spec.name] = SelfWritten(cache / "conversations.jsonl", cache / HELDOUT,
+                                         {**writer_summary(writer), "fingerprint": fp,
+                                          "backend": cfg.gen_backend, "heldout_file": HELDOUT})
+            atomic_write_bytes(out[spec.name].conversations,
+                               b"".join(_line(c) for c in st.conversations))
+            atomic_write_bytes(out[spec.name].heldout, b"".join(_line(h) for h in st.heldout))
+            atomic_write_json(cache / "stats.json", out[spec.name].info)
+    return out
+
+
+def place_heldout(written: SelfWritten, out_dir: Path) -> None:
+    """`heldout.jsonl` beside the dataset's conversations.jsonl (written whole)."""
+    atomic_write_bytes(Path(out_dir) / HELDOUT, written.heldout.read_bytes())
+
+
+def fingerprint(cfg: PrepareConfig, spec: DatasetSpec, render_fp: str) -> str:
+    """What decides the written conversations: entry, tokenizer, model files, numerics."""
+    model = []
+    for p in sorted(Path(cfg.target).iterdir()):
+        if p.name in ("config.json", "generation_config.json"):
+            model.append([p.name, hashlib.sha256(p.read_bytes()).hexdigest()])
+        elif p.name.endswith(WEIGHT_SUFFIXES):
+            model.append([p.name, p.stat().st_size])
+    key = {"entry": spec.content_key(), "render": render_fp, "model": model, "backend": cfg.gen_backend,
+           "batch": cfg.gen_batch_size}
+    if cfg.gen_backend == "hf":
+        key.update(dtype=cfg.dtype, device=cfg.device.split(":")[0])
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _LazyGenerator:
+    """The generator, built on the first round that needs it (a resumed run may need none)."""
+
+    def __init__(self, cfg: PrepareConfig, renderer: ChatRenderer):
+        self.cfg, self.renderer = cfg, renderer
+        self._gen = None
+
+    def get(self):
+        if self._gen is None:
+            self._gen = build_generator(self.cfg, self.renderer)
+        return self._gen
+
+
+def build_generator(cfg: PrepareConfig, renderer: ChatRenderer):
+    """FastGenerator over the target loaded in process (`hf`), or the SGLang servers'."""
+    tok = renderer.tokenizer
+    # Stops: what closes a user turn (the opening's first stop), an assistant turn, and eos.
+    stops = list(dict.fromkeys([*derive_opening(renderer, None).stop_ids,
+                                renderer.end_of_turn_id]))
+    if cfg.gen_backend == "sglang":
+        from eagle3.prepare.server_generator import ServerGenerator
+
+        return ServerGenerator(cfg.server_url, stops, cfg.gen_batch_size)
+    from eagle3.core.target import load_hf_model
+    from eagle3.generate.fast import FastGenerator
+
+    model = load_hf_model(cfg.target, cfg.dtype, cfg.device, cfg.trust_remote_code)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+    return FastGenerator(model, stops, pad, max_batch=cfg.gen_batch_size)
+
+
+def _line(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
+def summary_rows(name: str, info: dict) -> dict:
+    """Lines for 01's summary: kept of judged, rounds, seed, turns; then the rejection rates."""
+    turns = ", ".join(f"{n} turn{'s' if n != '1' else ''} {c:,}"
+                      for n, c in info["user_turns"].items())
+    rates = sorted(((k, v) for k, v in info["rejection_rates"].items() if v),
+                   key=lambda kv: -kv[1])
+    ended = ", ".join(f"{k} {n}" for k, n in info["ended_early"].items())
+    rows = {
+        f"  {name} self-written": (
+            f"kept {info['kept']:,} of {info['judged']:,} user turns "
+            f"({100 * info['keep_rate']:.1f}%) in {info['rounds']} rounds, seed {info['seed']}, "
+            f"T {info['settings']['temperature']}; {info['heldout']:,} held out; "
+            f"{turns or 'no conversation'}"),
+        f"  {name} rejected": ", ".join(f"{k} {100 * v:.1f}%" for k, v in rates) or "none",
+    }
+    if ended:
+        rows[f"  {name} ended early"] = ended
+    return rows

@@ -1,0 +1,97 @@
+"""The self-written source's generator over SGLang's native `/generate`, for targets too large to
+load in process (Kimi-K2.5): the interface of eagle3.generate.fast.FastGenerator, prompt ids in,
+exact output ids out.
+
+Each prompt is one request (`rid` = `sw-<batch seed>-<row>`), all of a call in flight together
+up to `concurrency`. A sampled request carries its own `sampling_seed`, drawn from the call's
+seed and the row, which SGLang honours only when the server runs with
+`--enable-deterministic-inference`: without it, finished rounds are still kept and replayed on a
+re-run, but a round redone after a kill draws other user turns than the lost one. Transient
+failures (5xx, dropped connections, timeouts) are retried by eagle3.core.server; an aborted
+generation or a contradictory answer stops the stage (ServerError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from eagle3.core.server import (
+    RetryPolicy,
+    ServerError,
+    ServerPool,
+    generate,
+    make_session,
+    wait_ready,
+)
+from eagle3.prepare.selfwritten import seed_of
+
+READY_TIMEOUT_S = 1800.0  # wait this long for the server to answer /model_info at start
+REQUEST_TIMEOUT_S = 3600.0  # per request (a user turn or a reply of a few hundred tokens)
+
+
+def request_seed(seed: int, row: int) -> int:
+    """The per-request sampling seed (31 bits, which every SGLang release accepts)."""
+    return seed_of(seed, row) & (2 ** 31 - 1)
+
+
+def sampling_params(budget: int, temperature: float, top_p: float, stop_ids: list[int],
+                    seed: int | None) -> dict:
+    params = {"max_new_tokens": budget, "temperature": temperature, "top_p": top_p,
+              "stop_token_ids": stop_ids}
+    if temperature > 0 and seed is not None:
+        params["sampling_seed"] = seed
+    return params
+
+
+def output_of(answer: dict, rid: str) -> tuple[list[int], str]:
+    """(output ids, 'stop'|'length') of a `/generate` answer; the matched stop token is
+    appended when a release leaves it out of `output_ids`."""
+    meta, output = answer.get("meta_info"), answer.get("output_ids")
+    if not isinstance(meta, dict) or not isinstance(output, list):
+        raise ServerError(f"request {rid}: malformed answer (no output_ids list or meta_info): "
+                          f"{str(answer)[:200]}")
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in ("stop", "length"):
+        raise ServerError(f"request {rid}: generation ended with {reason!r}")
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    if kind == "stop" and isinstance(matched, int) and output[-1:] != [matched]:
+        output = output + [matched]
+    return output, kind
+
+
+class ServerGenerator:
+    """`generate_ids` over one or several SGLang servers (see the module doc)."""
+
+    def __init__(self, urls: list[str], stop_ids: list[int], concurrency: int):
+        self.pool = ServerPool(urls)
+        self.stop_ids = list(stop_ids)
+        self.concurrency = concurrency
+        self.policy = RetryPolicy(base_delay_s=1.0, timeout_s=REQUEST_TIMEOUT_S)
+        self._ready = False
+
+    def generate_ids(self, prompts: list[list[int]], max_new_tokens: list[int] | int,
+                     temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int = 0) -> list[tuple[list[int], str]]:
+        budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+                   else list(max_new_tokens))
+        return asyncio.run(self._all(prompts, budgets, temperature, top_p, seed))
+
+    async def _all(self, prompts, budgets, temperature, top_p, seed):
+        gate = asyncio.Semaphore(self.concurrency)
+        async with make_session(self.concurrency) as session:
+            if not self._ready:
+                for url in self.pool.urls:
+                    await wait_ready(session, url, timeout_s=READY_TIMEOUT_S)
+                self._ready = True
+
+            async def one(row: int) -> tuple[list[int], str]:
+                rid = f"sw-{seed:x}-{row}"
+                params = sampling_params(budgets[row], temperature, top_p, self.stop_ids,
+                                         request_seed(seed, row))
+                async with gate:
+                    answer = await generate(session, self.pool, prompts[row], rid, params,
+                                            self.policy)
+                return output_of(answer, rid)
+
+            return await asyncio.gather(*(one(row) for row in range(len(prompts))))
