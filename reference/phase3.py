@@ -77,22 +77,33 @@ class Phase3:
         if draft.is_dir():
             self.evaluate(f"eval {name}", self.EvalSpec(name, draft, [3, 7], **self.sweep))
 
-    def bench_t1(self) -> None:
-        """05 at temperature 1 (speculative sampling), the production script in a subprocess."""
-        phases = self.phases
-        self.tasks["05 t1"] = ["05 t1"]
-        bench_dir = phases.bench_workdir("t1")
+    def bench(self, tag: str, temperature: float, prompts: int, factor: float) -> None:
+        """05 (`tag` t0: temperature 0, t1: 1), the production script in a subprocess beside
+        the other evaluations; `factor` scales its time estimate."""
+        phases, task = self.phases, f"05 {tag}"
+        self.tasks[task] = [task]
+        bench_dir = phases.bench_workdir(tag)
         manifest = read_manifest(bench_dir / STAGE_DIRS["05"]) or {}
-        if "05 t1" in phases.state["done"] or manifest.get("complete"):
+        if task in phases.state["done"] or manifest.get("complete"):
             return
-        spec = self.EvalSpec("05 t1", bench_dir, [3, 7],
-                             num_prompts=phases.profile.bench_t1_prompts,
+        spec = self.EvalSpec(task, bench_dir, [3, 7], num_prompts=prompts,
                              max_new_tokens=phases.profile.bench_max_new)
-        args = ["--workdir", bench_dir, *phases.bench_args(1.0, phases.profile.bench_t1_prompts)]
-        self.submitted.append("05 t1")
-        # Sampling accepts less than greedy decoding; the plain baseline is decoded too.
-        self.pool.submit("05 t1", self.pool.python(ROOT / SCRIPTS["05"], args),
-                         1.6 * self.estimate(spec))
+        args = ["--workdir", bench_dir, *phases.bench_args(temperature, prompts)]
+        self.submitted.append(task)
+        sets = 1 + len(phases.profile.bench_extra_sets)  # each set is decoded on its own
+        self.pool.submit(task, self.pool.python(ROOT / SCRIPTS["05"], args),
+                         factor * sets * self.estimate(spec))
+
+    def bench_t0(self) -> None:
+        """05 at temperature 0 in phase 3 (profiles whose phase 2 leaves it out): its
+        acceptance and lossless check as in phase 2, its tok/s slowed by the evaluations
+        beside it."""
+        self.bench("t0", 0.0, self.phases.profile.bench_prompts, 1.3)
+
+    def bench_t1(self) -> None:
+        """05 at temperature 1 (speculative sampling); sampling accepts less than greedy
+        decoding, and the plain baseline is decoded too."""
+        self.bench("t1", 1.0, self.phases.profile.bench_t1_prompts, 1.6)
 
     def record(self, jobs) -> None:
         """Mark each task done, skipped or failed from how its jobs ended."""
@@ -101,13 +112,14 @@ class Phase3:
             if task in phases.state["done"]:
                 continue
             mine = [by_name[n] for n in names if n in by_name]
-            if task == "05 t1" and "05 t1" in by_name:
-                job = by_name["05 t1"]
+            bench = task in ("05 t0", "05 t1")
+            if bench and task in by_name:
+                job = by_name[task]
                 if not job.skipped:
-                    phases.runner.record_external("05 t1", "05", phases.bench_workdir("t1"),
-                                             job.argv[2:],  # after python and the script
-                                             job.rc, job.wall_s)
-            ok = (0, 1) if task == "05 t1" else (0,)  # 05's 1: lossless mismatches, reported
+                    phases.runner.record_external(task, "05", phases.bench_workdir(task[-2:]),
+                                                  job.argv[2:],  # after python and the script
+                                                  job.rc, job.wall_s)
+            ok = (0, 1) if bench else (0,)  # 05's 1: lossless mismatches, reported
             skipped = [j for j in mine if j.skipped]
             failed = [j for j in mine if not j.skipped and j.rc not in ok]
             if skipped:
@@ -155,7 +167,7 @@ def run_phase3(phases) -> None:
     if "sizes" in profile.phase3:
         for n in phases.size_counts():
             phases.task(f"extract size {n}", lambda n=n: phases.extract_size(n),
-                        phases.extract_estimate(n))
+                        20.0 if profile.size_link_states else phases.extract_estimate(n))
     with JobPool(profile.eval_workers, phases.deadline, phases.results / "logs",
                  env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}) as pool:
         ph = Phase3(phases, pool)
@@ -234,7 +246,8 @@ def _sizes(ph: Phase3) -> None:
 # one submits evaluations to the pool; the trained ones train here first (one 04 at a time, so
 # that each one's tokens/s is its own).
 PHASE3_WORK = {
-    "controls": _controls, "bench_t1": lambda ph: ph.bench_t1(), "checkpoints": _checkpoints,
+    "controls": _controls, "bench_t0": lambda ph: ph.bench_t0(),
+    "bench_t1": lambda ph: ph.bench_t1(), "checkpoints": _checkpoints,
     **{n: _trained(n, "train_layout", "fp8_estimate") for n in LAYOUT_RUNS},
     **{n: _trained(n, "train_same_states", "same_states_estimate") for n in SAME_STATE_RUNS},
     "sizes": _sizes}

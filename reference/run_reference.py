@@ -106,12 +106,32 @@ class Profile:
                                "topk_tail", "mla", "sizes")
     train_precision: tuple[str, ...] = ()  # 04 flags of every draft but fp8gemm
     fp8gemm_train: tuple[str, ...] = ()  # 04 flags of the fp8gemm draft (main's bf16 states)
+    # Where the conversations come from: "stdlib" (reference/build_corpus.py: code files as chat
+    # samples, `corpus`'s flags) or "self_written" (01's self-written source: the target writes
+    # the user turns itself, `self_written` is the recipe's block; `corpus` is then unused).
+    corpus_source: str = "stdlib"
+    self_written: tuple[tuple[str, object], ...] = ()  # the recipe's `self_written` block
+    self_written_max_seq_len: int = 2048  # the recipe entry's max_seq_len
+    bench_extra_sets: tuple[str, ...] = ()  # 05 prompt sets beside the held-out one ("chat")
+    context_bucket_tokens: int = 0  # 05 --context-bucket-tokens (0: 05's default)
+    # The data-size study in records of the merged train split (beside `size_fractions`); with
+    # `size_link_states` its 02b folders are seeded with hard links to main's files of the same
+    # records (02b then resumes over them and extracts nothing: same states, no disk).
+    size_counts: tuple[int, ...] = ()
+    size_link_states: bool = False
+    main_dtype: str = "bf16"  # 02b --dtype of the main run (and of the data-size runs)
 
     def __post_init__(self) -> None:
         from reference.phase3 import PHASE3_WORK
 
         if self.target_source not in ("trained", "smollm2"):
             raise ValueError(f"Profile.target_source {self.target_source!r}: trained or smollm2")
+        if self.corpus_source not in ("stdlib", "self_written"):
+            raise ValueError(f"Profile.corpus_source {self.corpus_source!r}: stdlib or "
+                             "self_written")
+        if (self.corpus_source == "self_written") != bool(self.self_written):
+            raise ValueError("Profile.self_written is the recipe block of corpus_source "
+                             "self_written: set both or neither")
 
         unknown = [w for w in self.phase3 if w not in PHASE3_WORK]
         if unknown or len(set(self.phase3)) != len(self.phase3):
@@ -191,6 +211,43 @@ PROFILES["h200-smollm2"] = replace(
 PROFILES["smoke-smollm2"] = replace(
     PROFILES["smoke"], target_source="smollm2", target=(), threads=2,
     phase3=("checkpoints", "topk"), draft_vocab=512)
+# Issue 35's chat reference: SmolLM2 writes its own chat data at scale (01's self-written
+# source: 20,000 conversations of 1-3 user turns plus held-out prompts no stage trains on), 01b
+# regenerates the last replies with the fast hf engine, 02b stores fp8 states (half of bf16's
+# disk: ~9M tokens), 04 trains 4 epochs; phase 3 runs 05 at temperature 0 (held-out self-written
+# prompts and prompts/chat.jsonl, context buckets of 256 tokens) beside the sweep of the main
+# draft (chains 3 and 7) and the data-size drafts (2,500 and 10,000 conversations, their 02b
+# files hard links to main's). benchmarks/gpu_chat_reference.sh runs it on one H100/H200.
+PROFILES["h200-chat"] = replace(
+    PROFILES["h200-smollm2"], corpus=(), corpus_source="self_written",
+    self_written=(("count", 20000), ("heldout", 400), ("seed", 0), ("temperature", 1.0),
+                  ("top_p", 1.0), ("max_user_tokens", 96), ("min_user_chars", 16),
+                  ("reply_max_new_tokens", 384),
+                  ("turns", ((1, 0.6), (2, 0.25), (3, 0.15)))),
+    self_written_max_seq_len=2048,
+    prepare=("--device", "cuda", "--dtype", "bfloat16", "--gen-batch-size", "512"),
+    generate=("--max-new-tokens", "384", "--batch-size", "512", "--dtype", "bfloat16"),
+    merge=("--eval-fraction", "0.02", "--max-seq-len", "2048"),
+    extract=("--model-dtype", "bfloat16", "--max-batch-tokens", "131072"),
+    main_dtype="fp8", draft_vocab=8192,
+    train=("--lr", "1e-3", "--num-workers", "6", "--max-eval-samples", "128",
+           "--log-every", "20"),
+    epochs=4, train_max_seq_len=2048, pack_tokens=8192,
+    bench_prompts=12, bench_max_new=128, bench_extra_sets=("chat",),
+    context_bucket_tokens=256, sweep_prompts=40, sweep_max_new=128,
+    size_fractions=(), size_counts=(2500, 10000), size_link_states=True,
+    phase3=("bench_t0", "sizes"), deadline_s=1020.0, eval_workers=6)
+# The same route on CPU at toy sizes (the test of the self-written profile).
+PROFILES["smoke-chat"] = replace(
+    PROFILES["smoke-smollm2"], corpus=(), corpus_source="self_written",
+    self_written=(("count", 10), ("heldout", 3), ("seed", 0), ("temperature", 1.0),
+                  ("max_user_tokens", 32), ("min_user_chars", 8), ("reply_max_new_tokens", 24),
+                  ("turns", ((1, 0.5), (2, 0.5)))),
+    self_written_max_seq_len=1024,
+    prepare=("--device", "cpu", "--dtype", "float32", "--gen-batch-size", "16"),
+    generate=("--max-new-tokens", "16", "--batch-size", "16"),
+    main_dtype="fp8", bench_prompts=2, bench_extra_sets=("chat",), context_bucket_tokens=16,
+    size_fractions=(), size_counts=(4,), size_link_states=True, phase3=("bench_t0", "sizes"))
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
              "results/stages.json": "stages.json", "results/controls.json": "controls.json",
              "bench_t0/05_benchmark/results.json": "bench_t0_results.json",

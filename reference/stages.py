@@ -195,6 +195,42 @@ def subset_workdir(source: Path, workdir: Path, num_train: int) -> Path:
     return Path(workdir)
 
 
+def link_states(source_02b: Path, dest_02b: Path, num_train: int) -> int:
+    """Seed a data-size folder's 02b output with hard links to the files `source_02b` holds
+    for the same records: the first `num_train` of the train split (a `subset_workdir`'s train
+    split is the source's first lines) and the whole eval split, with their index lines. 02b
+    then resumes over them (each file's record id is checked against the split) and extracts
+    only what the source lacks: the same states, no second prefill, no disk. Returns the files
+    linked; nothing when `dest_02b` is complete."""
+    import os
+
+    from eagle3.core import hidden_states as hs
+    from eagle3.core.records import read_jsonl
+    from eagle3.core.stage import atomic_write_bytes
+    from eagle3.extract.writer import INDEX_FILE
+
+    if (read_manifest(dest_02b) or {}).get("complete"):
+        return 0
+    linked = 0
+    for split, limit in (("train", num_train), ("eval", None)):
+        index = Path(source_02b) / split / INDEX_FILE
+        if not index.exists():
+            continue
+        entries = [e for e in read_jsonl(index) if limit is None or e["idx"] < limit]
+        for e in entries:
+            src, dst = hs.file_path(index.parent, e["idx"]), hs.file_path(
+                Path(dest_02b) / split, e["idx"])
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if not dst.exists():
+                os.link(src, dst)
+                linked += 1
+        atomic_write_bytes(Path(dest_02b) / split / INDEX_FILE,
+                           "".join(json.dumps(e, ensure_ascii=False) + "\n"
+                                   for e in entries).encode())
+    log.info("%s: %d hidden-state files linked from %s", dest_02b, linked, source_02b)
+    return linked
+
+
 def export_checkpoint(step_dir: Path, draft_config: dict, out_dir: Path) -> Path:
     """Export a 04 step checkpoint (`state.pt`) as an SGLang draft folder."""
     from eagle3.draft.export import export_sglang

@@ -4,7 +4,8 @@ Work folder layout (`W` = --workdir):
 
     W/corpus/      reference/build_corpus.py output (samples, 01 recipes, split)
     W/target/      the reference target (reference/train_target.py)
-    W/main/        the pipeline run: 01 -> 01b -> merge -> 02b (bf16) -> 03 -> 04
+    W/main/        the pipeline run: 01 -> 01b -> merge -> 02b (bf16 unless the profile's
+                   main_dtype says) -> 03 -> 04
     W/heldout/     01 of the held-out prompts (never generated from; 05's prompt set)
     W/bench_t0/    05 at temperature 0; W/bench_t1/ at temperature 1 (upstreams linked to main)
     W/fp8/         02b with fp8 storage + 04 (merged data and vocab linked to main)
@@ -35,10 +36,11 @@ from eagle3.smollm2 import target as smollm2_target
 from reference import build_corpus, train_target
 from reference.phase3 import run_phase3
 from reference.runs import LAYOUT_RUNS, SAME_STATE_RUNS
-from reference.stages import StageRunner, linked_workdir, subset_workdir
+from reference.stages import StageRunner, link_states, linked_workdir, subset_workdir
 
 log = logging.getLogger(__name__)
 BENCH_STEPS = (3, 7)  # chains 05 measures: SGLang's 3-1-4 setting (ceiling 4) and 7 (ceiling 8)
+SELF_WRITTEN_DATASET = "chat_self_written"  # 01's dataset of the self_written profiles
 
 
 class PhaseMissing(RuntimeError):
@@ -139,10 +141,11 @@ class PhaseSteps:
 
     def phase1(self) -> None:
         profile, t = self.profile, self.target
-        self.runner.run_callable(
-            "corpus", lambda: build_corpus.main(["--out", str(self.corpus), *profile.corpus]),
-            f"python reference/build_corpus.py --out {self.corpus} {' '.join(profile.corpus)}",
-            self.root)
+        if profile.corpus_source == "stdlib":
+            self.runner.run_callable(
+                "corpus", lambda: build_corpus.main(["--out", str(self.corpus), *profile.corpus]),
+                f"python reference/build_corpus.py --out {self.corpus} {' '.join(profile.corpus)}",
+                self.root)
         self.task("eval dtype", self.choose_eval_dtype)
         if profile.target_source == "smollm2":
             argv = ["--out", str(t), *(["--gguf", str(self.gguf)] if self.gguf else [])]
@@ -157,10 +160,34 @@ class PhaseSteps:
                 f"python reference/train_target.py --corpus {self.corpus} --out {t} --device "
                 f"{profile.device} {' '.join(profile.target)}", self.root)
         r = self.runner
-        r.run("01 main", "01", self.main, self.prepare_args("recipe_train.json"))
+        if profile.corpus_source == "self_written":
+            self.write_self_written_recipe()
+        r.run("01 main", "01", self.main, self.prepare_args(self.train_recipe))
         r.run("01b main", "01b", self.main, self.generate_args())
         r.run("merge main", "merge", self.main, list(profile.merge))
-        r.run("01 held-out", "01", self.heldout, self.prepare_args("recipe_heldout.json"))
+        if profile.corpus_source == "stdlib":
+            r.run("01 held-out", "01", self.heldout, self.prepare_args("recipe_heldout.json"))
+        else:  # the held-out prompts are 01's own split of the self-written ones
+            self.heldout.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def train_recipe(self) -> str:
+        return ("recipe_train.json" if self.profile.corpus_source == "stdlib"
+                else "recipe_self_written.json")
+
+    def write_self_written_recipe(self) -> Path:
+        """W/corpus/recipe_self_written.json: one dataset the target writes itself (01's
+        self-written source), prompts only (01b writes the last reply)."""
+        path = self.corpus / "recipe_self_written.json"
+        recipe = {"name": "reference_chat", "description": "user turns written by the target "
+                  "itself (01's self-written source); replies by 01b",
+                  "datasets": [{"name": SELF_WRITTEN_DATASET, "adapter": "openai",
+                                "self_written": dict(self.profile.self_written),
+                                "max_seq_len": self.profile.self_written_max_seq_len,
+                                "regenerate": True}]}
+        self.corpus.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, recipe)
+        return path
 
     # The command line of each stage (tests parse them with the scripts' own parsers).
 
@@ -175,11 +202,17 @@ class PhaseSteps:
         return ["--target", self.target, "--draft-vocab", self.profile.draft_vocab]
 
     def bench_args(self, temperature: float, prompts: int) -> list:
-        return ["--target", self.target, "--draft", self.main / STAGE_DIRS["04"] / "final",
+        args = ["--target", self.target, "--draft", self.main / STAGE_DIRS["04"] / "final",
                 "--backend", "hf", "--prompt-sets", self.heldout_prompts, "--num-prompts",
                 prompts, "--max-new-tokens", self.profile.bench_max_new,
                 "--temperature", temperature, "--seed", 0, "--steps", *BENCH_STEPS,
                 "--device", self.profile.device, "--dtype", self.eval_dtype]
+        if self.profile.bench_extra_sets:  # --prompt-sets takes them after the held-out set
+            args[args.index(self.heldout_prompts) + 1:args.index(self.heldout_prompts) + 1] = \
+                list(self.profile.bench_extra_sets)
+        if self.profile.context_bucket_tokens:
+            args += ["--context-bucket-tokens", self.profile.context_bucket_tokens]
+        return args
 
     def choose_eval_dtype(self) -> None:
         error = (fp32_moe_error(self.profile.device) if self.profile.eval_dtype == "float32"
@@ -226,16 +259,23 @@ class PhaseSteps:
     def phase2(self) -> None:
         self._require(self.main / STAGE_DIRS["merge"], 1)
         r = self.runner
-        r.run("02b main (bf16)", "02b", self.main, self.extract_args("bf16"))
+        r.run(self.main_extract, "02b", self.main, self.extract_args(self.profile.main_dtype))
         r.run("03 main", "03", self.main, self.vocab_args())
         r.run("04 main", "04", self.main, self.train_args(self.main))
-        # 05 at temperature 0 runs alone: its tok/s and speedup are the run's speed figures.
-        # The fp8-state and data-size drafts are trained in phase 3, beside its evaluations.
-        self.task("05 t0", lambda: self.bench("t0", 0.0))
+        # 05 at temperature 0 runs alone: its tok/s and speedup are the run's speed figures
+        # (unless the profile runs it in phase 3, beside the evaluations, to save time). The
+        # fp8-state and data-size drafts are trained in phase 3, beside its evaluations.
+        if "bench_t0" not in self.profile.phase3:
+            self.task("05 t0", lambda: self.bench("t0", 0.0))
+
+    @property
+    def main_extract(self) -> str:
+        """The main run's 02b in stages.json (its storage layout named)."""
+        return f"02b main ({self.profile.main_dtype})"
 
     def _per_sample_s(self) -> float:
         """02b + 04 seconds per train sample of the main run (for the time budget)."""
-        return (self._wall("02b main (bf16)") + self._wall("04 main")) / max(1, self.n_train())
+        return (self._wall(self.main_extract) + self._wall("04 main")) / max(1, self.n_train())
 
     def fp8_estimate(self) -> float:
         return 1.1 * self._per_sample_s() * self.n_train() + 20
@@ -247,7 +287,9 @@ class PhaseSteps:
         return count_jsonl(self.main / STAGE_DIRS["merge"] / "train.jsonl")
 
     def size_counts(self) -> list[int]:
-        return sorted({max(4, int(f * self.n_train())) for f in self.profile.size_fractions})
+        n = self.n_train()
+        counts = {max(4, int(f * n)) for f in self.profile.size_fractions}
+        return sorted(counts | {c for c in self.profile.size_counts if c < n})
 
     def layout_workdir(self, name: str) -> Path:
         """W/<name>: main's merged data and vocab (and the shared run's 02b files) linked."""
@@ -274,11 +316,14 @@ class PhaseSteps:
         return subset_workdir(self.main, self.root / f"size_{n}", n)
 
     def extract_size(self, n: int) -> None:
-        self.runner.run(f"02b size {n}", "02b", self.size_workdir(n), self.extract_args("bf16"))
+        w = self.size_workdir(n)
+        if self.profile.size_link_states:
+            link_states(self.main / STAGE_DIRS["02b"], w / STAGE_DIRS["02b"], n)
+        self.runner.run(f"02b size {n}", "02b", w, self.extract_args(self.profile.main_dtype))
 
     def extract_estimate(self, samples: int) -> float:
         """02b seconds for `samples` train samples, from the main run's rate."""
-        return 1.2 * self._wall("02b main (bf16)") * samples / max(1, self.n_train()) + 10
+        return 1.2 * self._wall(self.main_extract) * samples / max(1, self.n_train()) + 10
 
     def same_states_workdir(self, name: str) -> Path:
         """W/<name> (SAME_STATE_RUNS): the main run's merged data, hidden states and vocabulary."""
@@ -313,6 +358,8 @@ class PhaseSteps:
 
     @property
     def heldout_prompts(self) -> Path:
+        if self.profile.corpus_source == "self_written":  # 01's held-out split, never trained on
+            return self.main / STAGE_DIRS["01"] / SELF_WRITTEN_DATASET / "heldout.jsonl"
         return (self.heldout / STAGE_DIRS["01"] / build_corpus.DATASET_HELDOUT
                 / "conversations.jsonl")
 
