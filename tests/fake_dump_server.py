@@ -13,13 +13,18 @@ Faults, for the client's tests (`Faults`): a dump deleted or truncated after the
 run in a MIXED pass (so never dumped: a short file), a dump whose aux states lose a row, cached
 tokens or a wrong prompt_tokens in the answer, HTTP 500, no answer (a hang), an answer cut
 half-way by a closed connection, NaN in the states, a slow server, the states of other layers
-than the ones announced; `restart()` takes the server down and up.
+than the ones announced; `restart()` takes the server down and up. And lies: the states of
+another prompt of the same length under the request's rid (a server that mixed up requests),
+states in an integer dtype, dumps of the older format (a server running an older dump module),
+a FIFO, a directory or a bloated file at the dump's path, an answer naming another request, an
+HTML page for `/server_info`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,6 +67,16 @@ class Faults:
     nan_states: dict[str, int] = field(default_factory=dict)  # NaN in that many values of the
     # second capture, on every request of the record (a bf16 overflow in the target)
     hang_s: float = 30.0
+    # Lies met by every request of the record (keyed by the first attempt's rid):
+    foreign_prompt: dict[str, list[int]] = field(default_factory=dict)  # computed and dumped
+    # instead of the prompt sent (same length: the answer's prompt_tokens is right)
+    int_states: set[str] = field(default_factory=set)  # the dump's states cast to int16
+    dump_entry: dict[str, str] = field(default_factory=dict)  # at the dump's path instead of
+    # the dump: "fifo" (no writer), "directory", or "bloated" (the dump, its aux states a view
+    # of a storage 1 MB longer, which torch.save writes whole)
+    answer_id: set[str] = field(default_factory=set)  # meta_info.id names another request
+    old_format: bool = False  # every dump rewritten as format version 1 (no input_ids)
+    server_info_html: bool = False  # /server_info answers 200 with a web page
 
 
 @dataclass
@@ -144,7 +159,7 @@ class FakeDumpServer:
         self._wake = asyncio.Event()
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/generate", self._generate)
-        app.router.add_get("/server_info", self._json(lambda: self.info))
+        app.router.add_get("/server_info", self._server_info)
         app.router.add_get("/model_info", self._json(lambda: {"model_path": "tiny",
                                                               "is_generation": True}))
         self._runner = web.AppRunner(app, shutdown_timeout=0.1, access_log=None)
@@ -165,6 +180,12 @@ class FakeDumpServer:
         if self._saved_config is not None:
             sglang_dump.server_config = self._saved_config
             self._saved_config = None
+
+    async def _server_info(self, request):
+        if self.faults.server_info_html:
+            return web.Response(text="<!DOCTYPE html><html><body>Jupyter</body></html>",
+                                content_type="text/html")
+        return web.json_response(self.info)
 
     @staticmethod
     def _json(make):
@@ -194,7 +215,8 @@ class FakeDumpServer:
             return web.Response(status=504, text="injected hang")
         if self._hit(self.faults.close_midway, rid):
             return await self._close_midway(request)
-        req = _Request(rid, ids, asyncio.get_running_loop().create_future())
+        computed = self.faults.foreign_prompt.get(rid.split("+retry")[0], ids)
+        req = _Request(rid, list(computed), asyncio.get_running_loop().create_future())
         t0 = time.time()
         self._queue.append(req)
         self._wake.set()
@@ -203,7 +225,9 @@ class FakeDumpServer:
         extra = 1 if self._hit(self.faults.wrong_prompt_tokens, rid) else 0
         return web.json_response({
             "text": "", "output_ids": [0],
-            "meta_info": {"id": rid, "prompt_tokens": len(ids) + extra,
+            "meta_info": {"id": rid + ("-other" if rid.split("+retry")[0] in
+                                       self.faults.answer_id else ""),
+                          "prompt_tokens": len(ids) + extra,
                           "cached_tokens": self.faults.cached_tokens, "completion_tokens": 1,
                           "e2e_latency": time.time() - t0,
                           "finish_reason": {"type": "length", "length": 1}}})
@@ -255,19 +279,21 @@ class FakeDumpServer:
                 sglang_dump.maybe_dump(*self._batch(part, mode, pad_rows=len(self.passes) % 4))
 
     def _batch(self, chunks, mode, pad_rows):
-        aux_rows, final_rows, lens = [], [], []
+        aux_rows, final_rows, ids, lens = [], [], [], []
         for req, rows in chunks:
             if req.states is None:
                 req.states = self._states(req.input_ids, req.rid)
             aux, final = req.states
             aux_rows.append(aux[req.done:req.done + rows])
             final_rows.append(final[req.done:req.done + rows])
+            ids.append(torch.tensor(req.input_ids[req.done:req.done + rows], dtype=torch.long))
             lens.append(rows)
         width = aux_rows[0].shape[-1]
         aux_rows.append(torch.full((pad_rows, width), 1e4))  # CUDA-graph padding: garbage
         final_rows.append(torch.full((pad_rows, final_rows[0].shape[-1]), 1e4))
+        ids.append(torch.zeros(pad_rows, dtype=torch.long))  # padding rows' ids: 0
         batch = SimpleNamespace(
-            forward_mode=mode, rids=[r.rid for r, _ in chunks],
+            forward_mode=mode, rids=[r.rid for r, _ in chunks], input_ids=torch.cat(ids),
             extend_start_loc=torch.tensor([sum(lens[:j]) for j in range(len(lens))]),
             extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=[r.done for r, _ in chunks])
         model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=self.capture_layers))
@@ -304,3 +330,33 @@ class FakeDumpServer:
             dump = sglang_dump.load_dump(path)  # num_tokens still says T
             dump["aux_hidden_states"] = dump["aux_hidden_states"][:-1].clone()
             torch.save(dump, path)
+        if base in self.faults.int_states and path.exists():
+            dump = sglang_dump.load_dump(path)
+            for key in ("aux_hidden_states", "final_hidden_states"):
+                dump[key] = (dump[key] * 100).to(torch.int16)
+            torch.save(dump, path)
+        if self.faults.old_format and path.exists():
+            dump = sglang_dump.load_dump(path)
+            dump.pop("input_ids", None)
+            torch.save({**dump, "version": 1}, path)
+        self._replace_dump(path, self.faults.dump_entry.get(base))
+
+    @staticmethod
+    def _replace_dump(path: Path, kind: str | None) -> None:
+        """What sits at the dump's path instead of the dump (Faults.dump_entry)."""
+        if kind is None or not path.exists():
+            return
+        if kind == "bloated":
+            dump = sglang_dump.load_dump(path)
+            aux = dump["aux_hidden_states"]
+            storage = torch.zeros(aux.numel() + (1 << 19), dtype=aux.dtype)  # + 1 MB
+            storage[:aux.numel()] = aux.flatten()
+            dump["aux_hidden_states"] = storage[:aux.numel()].view(aux.shape)
+            torch.save(dump, path)
+            return
+        path.unlink()
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "directory":
+            path.mkdir()
+            (path / "x").write_text("not a dump")  # a directory that rmdir cannot remove

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ POOL_POLICIES = ("least_outstanding", "round_robin")
 
 class ServerError(RuntimeError):
     """A request that failed for good; the message names the server, request and cause."""
+
+
+class NotJSONError(ServerError):
+    """A 200 whose body is not a JSON object: the URL serves something else (an HTML page of a
+    proxy or of another service) or the body was garbled. Readiness polling stops at once on it
+    (the server answers, and it is not the one asked for); a request retries it."""
 
 
 class TransientError(ServerError):
@@ -124,19 +131,17 @@ async def post_once(session: aiohttp.ClientSession, url: str, payload: dict, tim
             if resp.status != 200:
                 raise ServerError(f"{url}: HTTP {resp.status} for {what} (not retried): "
                                   f"{(await resp.text())[:500]}")
-            answer = await resp.json(content_type=None)
+            body, content_type = await resp.read(), resp.headers.get("Content-Type")
     except aiohttp.ClientConnectorError as e:  # connection refused / no route: server down
         raise TransientError(f"{url}: cannot connect for {what}: {e}", unreachable=True) from e
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         raise TransientError(f"{url}: connection dropped during {what}: {e!r}") from e
     except asyncio.TimeoutError as e:
         raise TransientError(f"{url}: no answer within {timeout_s:.0f}s for {what}") from e
-    except ValueError as e:  # a 200 with a cut or garbled body (bad JSON, bad UTF-8)
-        raise TransientError(f"{url}: unparsable answer for {what}: {e}") from e
-    if not isinstance(answer, dict):  # every endpoint we call answers a JSON object
-        raise TransientError(f"{url}: answer for {what} is not a JSON object: "
-                             f"{str(answer)[:200]}")
-    return answer
+    try:  # every endpoint we call answers a JSON object
+        return json_object(body, content_type, url)
+    except ServerError as e:  # a cut or garbled body, an HTML page: retried
+        raise TransientError(f"unparsable answer for {what}: {e}") from e
 
 
 async def _with_retries(attempt_once, policy: RetryPolicy, what: str, where: str = "") -> dict:
@@ -203,7 +208,9 @@ async def chat_completion(session: aiohttp.ClientSession, server: "str | ServerP
 
 async def get_json(session: aiohttp.ClientSession, base_url: str, paths: tuple[str, ...],
                    timeout_s: float = 30.0, headers: dict | None = None) -> dict:
-    """GET the first of `paths` the server knows (newer name first)."""
+    """GET the first of `paths` the server knows (newer name first): its JSON object (`{}` for
+    an empty body). A 200 that is not a JSON object (an HTML page) is a NotJSONError at once,
+    naming the URL and what came back."""
     errors = []
     for path in paths:
         url = base_url.rstrip("/") + path
@@ -211,11 +218,42 @@ async def get_json(session: aiohttp.ClientSession, base_url: str, paths: tuple[s
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                    headers=headers) as resp:
                 if resp.status == 200:
-                    return await resp.json(content_type=None)
+                    return json_object(await resp.read(), resp.headers.get("Content-Type"), url,
+                                       empty_ok=True)
                 errors.append(f"{path}: HTTP {resp.status}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             errors.append(f"{path}: {e!r}")
     raise ServerError(f"{base_url}: none of {paths} answered ({'; '.join(errors)})")
+
+
+def json_object(body: bytes, content_type: str | None, url: str, empty_ok: bool = False) -> dict:
+    """The JSON object of a 200 answer from `url`; ServerError naming the URL and what came back
+    (an HTML page of a proxy or of another service, a cut body, a JSON list or string), so that
+    a wrong server ends a stage in one line instead of a JSONDecodeError."""
+    if empty_ok and not body.strip():  # a bare readiness answer (e.g. /health): no fields
+        return {}
+    try:
+        answer = json.loads(body)
+    except ValueError:  # bad JSON or bad UTF-8
+        answer = None
+    if isinstance(answer, dict):
+        return answer
+    text = body[:120].decode("utf-8", "replace").strip()
+    what = "an HTML page" if text[:1] == "<" else "not a JSON object"
+    raise NotJSONError(f"{url} answered HTTP 200 with {what} (Content-Type "
+                      f"{content_type or 'none'}, {len(body):,} bytes: {text!r}): is this the "
+                      "server's URL (and port)?")
+
+
+def served_model(models: dict, url: str) -> str:
+    """The first model id of an OpenAI `/v1/models` answer; ServerError naming `url` when the
+    answer lists none or is not of that shape."""
+    data = models.get("data")
+    first = data[0] if isinstance(data, list) and data else None
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str) or not first["id"]:
+        raise ServerError(f"{url}/v1/models lists no model id ({str(models)[:200]}): is this an "
+                          "OpenAI-compatible server? Pass the served model's name")
+    return first["id"]
 
 
 async def get_server_info(session: aiohttp.ClientSession, base_url: str) -> dict:
@@ -241,7 +279,8 @@ async def wait_ready(session: aiohttp.ClientSession, base_url: str,
     process is up; the answer is then `{}`). `process` (a `subprocess.Popen`) is watched: its
     exit raises ServerExitedError at once instead of waiting out `timeout_s` (`math.inf`: wait
     for ever). Each attempt times out after `request_timeout_s` (default `poll_s`). Never calls
-    `/health` on SGLang, which runs a real generation.
+    `/health` on SGLang, which runs a real generation. A 200 that is not JSON (another
+    service's page) raises NotJSONError at once.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -256,6 +295,8 @@ async def wait_ready(session: aiohttp.ClientSession, base_url: str,
                     return {}
                 raise ServerError(f"{base_url}{paths[0]}: no HTTP answer")
             return await get_json(session, base_url, paths, timeout_s=attempt_s, headers=headers)
+        except NotJSONError:  # up, and not the server asked for: waiting will not change it
+            raise
         except ServerError as e:
             if loop.time() > deadline:
                 raise ServerError(f"{base_url} not ready after {timeout_s:.0f}s: {e}") from e

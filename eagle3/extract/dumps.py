@@ -5,6 +5,9 @@ are in eagle3/extract/sglang.py's docstring; the dump format in eagle3/extract/s
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +20,11 @@ from eagle3.extract import sglang_dump
 from eagle3.extract.checks import pack_checked
 from eagle3.extract.writer import ExtractError, check_disk, record_meta
 
-DUMP_BYTES_PER_TOKEN = 8  # x H: aux [T, 3H] + final [T, H], bf16
+log = logging.getLogger(__name__)
+
+DUMP_BYTES_PER_TOKEN = 8  # x H: aux [T, 3H] + final [T, H], bf16 (input_ids: 8 B more)
+# A dump's zip headers and pickle, whatever its length: 4 tensors, a few scalars (~2 KB).
+DUMP_OVERHEAD_BYTES = 64 << 10
 
 
 class SampleError(Exception):
@@ -39,33 +46,109 @@ def make_rid(prefix: str, record_id: str, attempt: int) -> str:
     return rid if attempt == 0 else f"{rid}+retry{attempt}"  # '+' is encoded in ids
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_answer(answer: dict, rid: str, num_tokens: int) -> None:
-    """The /generate answer of a dump request: whole prompt computed, nothing cached."""
+    """The /generate answer of a dump request: its own rid, whole prompt computed, nothing
+    cached."""
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     if not isinstance(meta, dict):
         raise SampleError(f"bad answer: no meta_info in {str(answer)[:300]}")
-    if meta.get("cached_tokens", 0):
-        raise ExtractError(f"request {rid}: the server reused {meta['cached_tokens']} cached "
+    if meta.get("id") not in (None, rid):
+        raise SampleError(f"bad answer: meta_info.id is {str(meta['id'])[:200]!r}, the request "
+                          f"was {rid!r} (the answer of another request)")
+    cached = meta.get("cached_tokens")
+    if cached is not None and (not _is_int(cached) or cached < 0):
+        raise SampleError(f"bad answer: cached_tokens is {str(cached)[:100]!r}, not a count")
+    if cached:
+        raise ExtractError(f"request {rid}: the server reused {cached} cached "
                            "tokens, whose states are not recomputed and so not dumped. Restart "
                            "the dump server with --disable-radix-cache")
-    if meta.get("prompt_tokens") != num_tokens:
-        raise SampleError(f"prompt_tokens: the server saw {meta.get('prompt_tokens')} prompt "
+    prompt = meta.get("prompt_tokens")
+    if not _is_int(prompt) or prompt != num_tokens:
+        raise SampleError(f"prompt_tokens: the server saw {str(prompt)[:100]} prompt "
                           f"tokens, the record has {num_tokens} (truncated by the server?)")
 
 
-DUMP_KEYS = ("rid", "num_tokens", "capture_layers", "aux_hidden_states", "final_hidden_states")
+def max_dump_bytes(num_tokens: int, expected: Expected) -> int:
+    """The most bytes a dump of `num_tokens` tokens can hold (bf16 states, int64 ids, headers)."""
+    per_token = 2 * (len(expected.capture_layers) + 1) * expected.hidden_size + 8
+    return num_tokens * per_token + DUMP_OVERHEAD_BYTES
 
 
-def check_dump(dump: dict, rid: str, num_tokens: int, expected: Expected, path: Path) -> None:
-    """A dump file's contract; wrong widths or layers are fatal, a short dump is not."""
-    missing = [k for k in DUMP_KEYS if k not in dump]
+def read_dump(path: Path, num_tokens: int, expected: Expected) -> dict:
+    """Load the dump at `path` as the dump of a `num_tokens`-token prompt: only a regular file
+    (a directory or a pipe is refused; opened without blocking, so a FIFO never hangs the
+    client) no larger than such a dump can be (a tensor viewing a larger storage makes
+    torch.save write the storage whole: the client never loads more than a dump holds).
+    SampleError for a file to request again; ExtractError for a dump of an older format (the
+    server runs an older dump module: every dump would be)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError as e:
+        raise SampleError(f"missing dump: {path} vanished before it was read") from e
+    except OSError as e:
+        raise SampleError(f"bad dump: {path} cannot be opened ({e.strerror})") from e
+    st = os.fstat(fd)
+    limit = max_dump_bytes(num_tokens, expected)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        os.close(fd)
+        if stat.S_ISREG(st.st_mode):
+            raise SampleError(f"bad dump: {path} has {st.st_size:,} bytes, more than a dump of "
+                              f"{num_tokens} tokens can ({limit:,}); not read")
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise SampleError(f"bad dump: {path} is {kind}; the dump module writes regular files")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return sglang_dump.load_dump(f, path)
+        except sglang_dump.OldDumpError as e:
+            raise ExtractError(f"{e}, then re-run this command (the stage resumes)") from None
+        except Exception as e:  # a torn zip, a wrong pickle, not a dump: all per-sample
+            raise SampleError(f"unreadable dump: {path}: {e!r}"[:500]) from e
+
+
+def _shape(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _check_fields(dump: dict, path: Path) -> None:
+    """The keys and the types of a dump's fields (format version 2, sglang_dump.DUMP_KEYS)."""
+    missing = [k for k in sglang_dump.DUMP_KEYS if k not in dump]
     if missing:
         raise SampleError(f"unreadable dump: {path} has no {missing}")
-    aux, final = dump["aux_hidden_states"], dump["final_hidden_states"]
+    extra = sorted(str(k) for k in dump if k not in sglang_dump.DUMP_KEYS)
+    if extra:
+        raise SampleError(f"bad dump: {path} has keys {extra[:5]} outside the dump format "
+                          f"{list(sglang_dump.DUMP_KEYS)}")
+    layers = dump["capture_layers"]
+    if not isinstance(dump["rid"], str) or not _is_int(dump["num_tokens"]) or \
+            not isinstance(layers, list) or not all(_is_int(x) for x in layers):
+        raise SampleError(f"bad dump: {path}: rid {_shape(dump['rid'])}, num_tokens "
+                          f"{_shape(dump['num_tokens'])}, capture_layers {_shape(layers)}: "
+                          "expected a str, an int and a list of ints")
+    aux, final, ids = dump["aux_hidden_states"], dump["final_hidden_states"], dump["input_ids"]
     if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (aux, final)):
-        raise SampleError(f"short dump: {path} holds aux {getattr(aux, 'shape', aux)!r} and "
-                          f"final {getattr(final, 'shape', final)!r}, expected two [T, width] "
-                          "tensors")
+        raise SampleError(f"short dump: {path} holds aux {_shape(aux)} and final "
+                          f"{_shape(final)}, expected two [T, width] tensors")
+    if aux.dtype != sglang_dump.DUMP_DTYPE or final.dtype != sglang_dump.DUMP_DTYPE:
+        raise SampleError(f"bad dump: {path} holds aux {aux.dtype} and final {final.dtype} "
+                          f"states; the dump stores {sglang_dump.DUMP_DTYPE}, the dtype the "
+                          "target computes in")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
+        raise SampleError(f"bad dump: {path} holds input_ids {_shape(ids)}, expected int64 [T]")
+
+
+def check_dump(dump: dict, rid: str, input_ids: list[int], expected: Expected,
+               path: Path) -> None:
+    """A dump file's contract; wrong widths or layers are fatal, a short dump or one of
+    other tokens is not (requested again)."""
+    num_tokens = len(input_ids)
+    _check_fields(dump, path)
+    aux, final = dump["aux_hidden_states"], dump["final_hidden_states"]
     H, K = expected.hidden_size, len(expected.capture_layers)
     if aux.shape[-1] != K * H or final.shape[-1] != H:
         hint = (" (one capture: the server captures no aux layers, or another target)"
@@ -80,10 +163,17 @@ def check_dump(dump: dict, rid: str, num_tokens: int, expected: Expected, path: 
                            "(python -m eagle3.extract.patching) and pass matching --capture-layers")
     if dump["rid"] != rid:
         raise SampleError(f"wrong dump: {path} holds rid {dump['rid']!r}, expected {rid!r}")
+    ids = dump["input_ids"]
     if dump["num_tokens"] != num_tokens or num_tokens != aux.shape[0] or \
-            num_tokens != final.shape[0]:
+            num_tokens != final.shape[0] or num_tokens != ids.shape[0]:
         raise SampleError(f"short dump: {path} holds {dump['num_tokens']} tokens "
-                          f"({aux.shape[0]}/{final.shape[0]} rows), the record {num_tokens}")
+                          f"({aux.shape[0]}/{final.shape[0]} rows, {ids.shape[0]} ids), the "
+                          f"record {num_tokens}")
+    differ = (ids != torch.as_tensor(input_ids, dtype=torch.int64)).nonzero()
+    if len(differ):
+        raise SampleError(f"wrong dump: {path} holds the states of other tokens than the prompt "
+                          f"sent as {rid!r} ({len(differ)} of {num_tokens} ids differ, the first "
+                          f"at token {int(differ[0])}): the server computed another request")
 
 
 def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str,
@@ -91,26 +181,41 @@ def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str
     """Load and check a dump, write the record's file through `save` (SplitWriter.save of the
     record), delete the dump; returns what was written. Raises SampleError for a dump to
     request again, checks.BadStates for finite-less states (the record is skipped)."""
-    try:
-        dump = sglang_dump.load_dump(path)
-    except Exception as e:  # a torn zip, a wrong pickle, a vanished file: all per-sample
-        raise SampleError(f"unreadable dump: {path}: {e!r}"[:500]) from e
-    check_dump(dump, rid, len(rec["input_ids"]), expected, path)
+    dump = read_dump(path, len(rec["input_ids"]), expected)
+    check_dump(dump, rid, rec["input_ids"], expected, path)
     H = expected.hidden_size
     aux = list(dump["aux_hidden_states"].split(H, dim=-1))
     data = pack_checked(rec, aux, dump["final_hidden_states"],
                         record_meta(rec, list(expected.capture_layers)), dtype, teacher)
     saved = save(data)
-    path.unlink(missing_ok=True)
+    remove_dump(path)
     return saved
+
+
+def remove_dump(path: Path) -> None:
+    """Remove a dump (or what sits at its name: a symlink, an empty directory); a non-empty
+    directory is left, with a warning (the rid is not asked again: retries get new rids)."""
+    try:
+        path.unlink(missing_ok=True)
+    except IsADirectoryError:
+        try:
+            path.rmdir()
+        except OSError as e:
+            log.warning("%s is a directory that cannot be removed (%s); it is not a dump",
+                        path, e.strerror)
+
+
+def dump_files(dump_dir: Path, rid_prefix: str) -> list[Path]:
+    """The entries of the dump directory named like dumps of `rid_prefix`'s requests."""
+    name_prefix = urllib.parse.quote(rid_prefix, safe="-_.")
+    return sorted(p for p in dump_dir.glob("*.pt") if p.name.startswith(name_prefix))
 
 
 def clean_dump_dir(dump_dir: Path, rid_prefix: str) -> int:
     """Delete dump files left by an earlier (killed) client; returns how many."""
-    name_prefix = urllib.parse.quote(rid_prefix, safe="-_.")
-    stale = [p for p in dump_dir.glob("*.pt") if p.name.startswith(name_prefix)]
+    stale = dump_files(dump_dir, rid_prefix)
     for p in stale:
-        p.unlink(missing_ok=True)
+        remove_dump(p)
     return len(stale)
 
 

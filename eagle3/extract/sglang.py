@@ -8,11 +8,15 @@ this client:
 1. sends `/generate` with the record's `input_ids`, `max_new_tokens: 1` and rid = prefix +
    the record id percent-encoded (`+retryN` appended on a retry, so that a retry never reads
    the file of an earlier attempt);
-2. checks the answer: `meta_info.cached_tokens == 0` (else the radix cache is on: fatal) and
-   `prompt_tokens == len(input_ids)`;
-3. waits for the dump file and checks it: its rid, `num_tokens == len(input_ids)`, capture
-   layers, and widths: aux `[T, 3H]` and final `[T, H]` with H from the target's config.json.
-   A wrong width or layer list is a wrong server or target and stops the run at once;
+2. checks the answer: its `meta_info.id` is the rid (when given), `cached_tokens == 0` (else
+   the radix cache is on: fatal) and `prompt_tokens == len(input_ids)`;
+3. waits for the dump file and checks it (eagle3/extract/dumps.py): a regular file no larger
+   than a dump of the record can be; its rid; its `input_ids` equal to the ids sent (the
+   dump's identity: a server that computed another prompt under the rid is caught however
+   alike the shapes); bf16 states; capture layers; and widths: aux `[T, 3H]` and final
+   `[T, H]` with H from the target's config.json. A wrong width or layer list is a wrong server
+   or target, and a dump of an older format a server running an older dump module: those stop
+   the run at once;
 4. splits the aux states into the three `[T, H]` captures, writes `data_<idx>.pt` (same bytes
    as the `hf` backend would write from the same states) and deletes the dump file.
    The dump always holds the bf16 final state; the compact layouts are made here: fp8-all
@@ -26,8 +30,9 @@ checklist.
 
 Faults, per record. An HTTP 5xx or 429, no answer within the request deadline, or an answer cut
 by a closed connection is retried with backoff by the HTTP client (`ClientTuning.retry`); what
-still fails, an answer whose `prompt_tokens` is not the record's length, and a dump that is
-missing, unreadable (truncated), short or of the wrong shape fail the attempt. The record is
+still fails, an answer whose `prompt_tokens` is not the record's length or that names another
+request, and a dump that is missing, unreadable (truncated), short, of the wrong shape or dtype,
+of other tokens, or not a plain file of a dump's size fail the attempt. The record is
 tried again, after a backoff and under a new rid, up to `max_attempts` times, then written with
 its reasons to `<split>/failures.jsonl` (the stage stays incomplete; a re-run retries it). Every
 wait has a deadline: the request timeout, `--dump-wait-s`, `--server-wait-s`. States with NaN
@@ -44,6 +49,7 @@ import concurrent.futures
 import functools
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -53,7 +59,7 @@ from pathlib import Path
 import aiohttp
 
 from eagle3.core.hidden_states import SavedFile
-from eagle3.core.preflight import raise_on_errors
+from eagle3.core.preflight import PreflightError, raise_on_errors
 from eagle3.core.progress import human_bytes
 from eagle3.core.server import (
     MODEL_INFO_PATHS,
@@ -77,6 +83,7 @@ from eagle3.extract.dumps import (
     clean_dump_dir,
     convert_dump,
     make_rid,
+    remove_dump,
 )
 from eagle3.extract.teacher import maybe_teacher
 from eagle3.extract.writer import (
@@ -93,6 +100,10 @@ log = logging.getLogger(__name__)
 SERVER_FLAGS_RECORDED = ("model_path", "tp_size", "disable_radix_cache", "chunked_prefill_size",
                          "max_prefill_tokens", "enable_mixed_chunk", "cuda_graph_backend_prefill",
                          "disable_piecewise_cuda_graph", "version")
+
+
+class DumpServerRefused(ExtractError, PreflightError):
+    """The dump server's flags make the dump incomplete or wrong (the list and the fixes)."""
 
 
 @dataclass
@@ -177,8 +188,7 @@ class SglangExtractor:
 
     async def preflight(self, writers: list[SplitWriter]) -> dict:
         """Server flags and dump directory, before the first request; returns the server info."""
-        info = await get_server_info(self._session, self.url)
-        raise_on_errors(check_dump_server(info), f"dump server {self.url}")
+        info = await self._checked_flags(f"dump server {self.url}")
         lengths = [len(w.records[i]["input_ids"]) for w in writers for i in w.pending()]
         if not self.concurrency:
             self.concurrency = auto_concurrency(info, sum(lengths) / max(len(lengths), 1))
@@ -190,6 +200,19 @@ class SglangExtractor:
         stale = clean_dump_dir(self.cfg.dump_dir, self.cfg.rid_prefix)
         if stale:
             log.info("removed %d dump files left by an earlier client", stale)
+        return info
+
+    async def _checked_flags(self, what: str) -> dict:
+        """The server's `/server_info`, checked for the dump (check_dump_server); an answer that
+        is not its flags (an HTML page, no answer) is an ExtractError naming the URL."""
+        try:
+            info = await get_server_info(self._session, self.url)
+        except ServerError as e:
+            raise ExtractError(f"{what}: cannot read its flags: {e}") from None
+        try:
+            raise_on_errors(check_dump_server(info), what)
+        except PreflightError as e:
+            raise DumpServerRefused(str(e)) from None
         return info
 
     async def run_split(self, writer: SplitWriter, prog: ExtractProgress, verify_n: int = 0,
@@ -250,7 +273,7 @@ class SglangExtractor:
                 await asyncio.sleep(self.tuning.retry.delay_s(attempt))
             rid = make_rid(self.cfg.rid_prefix, rec["id"], attempt)
             dump = sglang_dump.dump_file_path(self.cfg.dump_dir, rid)
-            dump.unlink(missing_ok=True)
+            remove_dump(dump)
             try:
                 saved = await self._attempt(rid, dump, rec, functools.partial(writer.save, idx))
             except SampleError as e:
@@ -263,7 +286,7 @@ class SglangExtractor:
                 writer.skip(idx, str(e))
                 return
             finally:
-                dump.unlink(missing_ok=True)
+                remove_dump(dump)
             self._any_success = True
             writer.mark_written(idx, len(rec["input_ids"]), saved.bytes, saved.sha256)
             prog.advance(len(rec["input_ids"]), saved.bytes)
@@ -279,7 +302,7 @@ class SglangExtractor:
         check_answer(answer, rid, len(ids))
         deadline = time.monotonic() + self.cfg.dump_wait_s
         delay = 0.005
-        while not dump.exists():  # written before the answer; a network file system may lag
+        while not os.path.lexists(dump):  # written before the answer; a network FS may lag
             if time.monotonic() > deadline:
                 free = shutil.disk_usage(self.cfg.dump_dir).free
                 raise SampleError(f"missing dump: no {dump} {self.cfg.dump_wait_s:.0f}s after "
@@ -327,8 +350,7 @@ class SglangExtractor:
                 raise ExtractError(f"server {self.url} did not come back within "
                                    f"{self.cfg.server_wait_s:.0f}s; restart it and re-run "
                                    "this command (the stage resumes)") from None
-            info = await get_server_info(self._session, self.url)
-            raise_on_errors(check_dump_server(info), f"restarted dump server {self.url}")
+            await self._checked_flags(f"restarted dump server {self.url}")
             self.restarts += 1
             log.warning("server %s is back after %.0fs; flags checked, re-sending", self.url,
                         time.monotonic() - t0)

@@ -24,11 +24,13 @@ rid does not start with the rid prefix (`EAGLE3_DUMP_RID_PREFIX`, default `"eagl
 ignored, and so are health checks (rid prefix `HEALTH_CHECK`) whatever the prefix: SGLang's
 startup warmup sends no rid and gets a random hex one, so it never matches the default prefix.
 
-Dump file, format version 1: `dump_file_path(dump_dir, rid)`, that is `<dump_dir>/<rid>.pt` (rid
+Dump file, format version 2: `dump_file_path(dump_dir, rid)`, that is `<dump_dir>/<rid>.pt` (rid
 percent-encoded for the file system), written atomically (temp file + rename); a `torch.save` of
 
-    {"format": "eagle3-sglang-dump", "version": 1,
+    {"format": "eagle3-sglang-dump", "version": 2,
      "rid": str, "num_tokens": int T,
+     "input_ids": int64 [T],                  # the token ids the server computed for this rid
+                                              # (ForwardBatch.input_ids of its rows, every chunk)
      "capture_layers": list[int],            # SGLang capture indices, e.g. [2, 30, 58]
      "aux_hidden_states": bf16 [T, K*H],      # the K captures side by side, in capture order:
                                               # columns k*H:(k+1)*H hold capture_layers[k]
@@ -38,6 +40,13 @@ percent-encoded for the file system), written atomically (temp file + rename); a
 Capture index `i` is the residual stream entering decoder layer `i` (the output of layer `i-1`,
 Hugging Face `output_hidden_states[i]`). Load with `load_dump(path)` (`weights_only=True`).
 
+`input_ids` is the dump's identity: the states are those of these tokens, so a client compares
+them with the prompt it sent under the rid and refuses a dump of another prompt (a server that
+mixed up requests, or a file of another client). They cost 8 bytes a token beside the states'
+8H. Version 1 (no `input_ids`) is refused by `load_dump` with `OldDumpError`: a dump lives only
+between the server's write and the client's read, so a v1 file means a server still running an
+older copy of this module (restart it).
+
 Chunked prefill. A prompt prefilled in several passes arrives as several chunks of the same rid;
 `extend_prefix_lens_cpu[j]` is where the chunk starts in the prompt. The first chunk (prefix 0)
 writes the file; each later chunk must start exactly where the file ends: it is appended and the
@@ -45,7 +54,7 @@ file rewritten. A chunk that does not fit (its start is not the file's length, f
 radix-cache hit or a chunk that ran in a MIXED pass) removes the file and is logged as an error,
 so that an incomplete dump is never left behind. Files are written synchronously, before the
 forward pass returns, so a dump is complete by the time SGLang answers the request; a client
-checks `num_tokens == len(input_ids)`.
+checks that the dump's `input_ids` are the prompt it sent.
 
 Server flags the dump needs (see `patches/README.md`): `--disable-radix-cache`,
 `--skip-server-warmup`, no `--enable-mixed-chunk`, no pipeline parallelism, no prefill CUDA graph
@@ -76,14 +85,21 @@ DEFAULT_RID_PREFIX = "eagle3-"
 # SGLang's own prefix for /health generations (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX).
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 DUMP_FORMAT = "eagle3-sglang-dump"
-DUMP_VERSION = 1
-DUMP_DTYPE = torch.bfloat16
+DUMP_VERSION = 2
+DUMP_DTYPE = torch.bfloat16  # of the states; input_ids are int64
+# Every key of a version-2 dump, no more (a client refuses other keys).
+DUMP_KEYS = ("format", "version", "rid", "num_tokens", "input_ids", "capture_layers",
+             "aux_hidden_states", "final_hidden_states")
 # File names longer than this are shortened with a hash (file systems allow 255 bytes).
 _MAX_NAME_CHARS = 200
 
 
 class DumpError(RuntimeError):
     """A forward pass or request that cannot be dumped; logged and skipped by `maybe_dump`."""
+
+
+class OldDumpError(DumpError):
+    """A dump of an older format version: the server runs an older copy of this module."""
 
 
 class CaptureSetupError(RuntimeError):
@@ -210,11 +226,23 @@ def dump_file_path(dump_dir: Path, rid: str) -> Path:
     return dump_dir / f"{name}.pt"
 
 
-def load_dump(path: Path) -> dict:
-    """Load a dump file (format version 1) safely."""
-    data = torch.load(path, map_location="cpu", weights_only=True)
-    if data.get("format") != DUMP_FORMAT or data.get("version") != DUMP_VERSION:
-        raise DumpError(f"{path}: not an {DUMP_FORMAT} v{DUMP_VERSION} file")
+def load_dump(source: Path | Any, name: str | Path | None = None) -> dict:
+    """Load a dump file (format version 2) safely; `source` is a path or an open binary file
+    (`name`: its path, for the messages). Raises `OldDumpError` for an older version,
+    `DumpError` for anything else than a dump."""
+    data = torch.load(source, map_location="cpu", weights_only=True)
+    name = name or source
+    if not isinstance(data, dict) or data.get("format") != DUMP_FORMAT:
+        raise DumpError(f"{name}: not an {DUMP_FORMAT} file")
+    if data.get("version") != DUMP_VERSION:
+        version = data.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and version < DUMP_VERSION:
+            raise OldDumpError(
+                f"{name}: an {DUMP_FORMAT} v{version} file, this module reads v{DUMP_VERSION} "
+                "(v2 adds the input_ids that prove which request a dump belongs to): the server "
+                "runs an older eagle3/extract/sglang_dump.py. Restart the dump server")
+        raise DumpError(f"{name}: an {DUMP_FORMAT} file of version {version!r}, not "
+                        f"v{DUMP_VERSION}")
     return data
 
 
@@ -282,14 +310,15 @@ def pack_aux(aux_hidden_states: Any) -> torch.Tensor:
     return torch.cat(list(aux_hidden_states), dim=-1)
 
 
-def _cpu_rows(states: torch.Tensor, start: int, num_rows: int) -> torch.Tensor:
+def _cpu_rows(states: torch.Tensor, start: int, num_rows: int,
+              dtype: torch.dtype = DUMP_DTYPE) -> torch.Tensor:
     # copy=True: a slice shares its storage, and torch.save would write the whole buffer.
-    return states[start:start + num_rows].to("cpu", DUMP_DTYPE, copy=True)
+    return states[start:start + num_rows].to("cpu", dtype, copy=True)
 
 
-def _append_to_previous(path: Path, req: RequestRows, aux_TK: torch.Tensor,
-                        final_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of tokens [0, prefix + n): the file's rows followed by this chunk's."""
+def _append_to_previous(path: Path, req: RequestRows, ids_T: torch.Tensor, aux_TK: torch.Tensor,
+                        final_TH: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows of tokens [0, prefix + n): the file's rows (and ids) followed by this chunk's."""
     previous = load_dump(path) if path.exists() else None
     if previous is None or previous["rid"] != req.rid or previous["num_tokens"] != req.prefix_len:
         held = None if previous is None else previous["num_tokens"]
@@ -299,20 +328,22 @@ def _append_to_previous(path: Path, req: RequestRows, aux_TK: torch.Tensor,
             "tokens; dropped. A radix-cache hit or a chunk run in a MIXED pass: start the server "
             "with --disable-radix-cache and without --enable-mixed-chunk"
         )
-    aux_TK = torch.cat([previous["aux_hidden_states"], aux_TK])
-    final_TH = torch.cat([previous["final_hidden_states"], final_TH])
-    return aux_TK, final_TH
+    return (torch.cat([previous["input_ids"], ids_T]),
+            torch.cat([previous["aux_hidden_states"], aux_TK]),
+            torch.cat([previous["final_hidden_states"], final_TH]))
 
 
-def write_request(config: DumpConfig, req: RequestRows, aux_TK: torch.Tensor,
-                  final_TH: torch.Tensor, capture_layers: Sequence[int]) -> Path:
-    """Write (or extend, for a later chunk) the dump file of one request; returns its path."""
+def write_request(config: DumpConfig, req: RequestRows, ids_T: torch.Tensor,
+                  aux_TK: torch.Tensor, final_TH: torch.Tensor,
+                  capture_layers: Sequence[int]) -> Path:
+    """Write (or extend, for a later chunk) the dump file of one request; returns its path.
+    `ids_T`: the chunk's token ids (int64), `aux_TK`, `final_TH`: its states."""
     path = dump_file_path(config.dump_dir, req.rid)
     if req.prefix_len > 0:
-        aux_TK, final_TH = _append_to_previous(path, req, aux_TK, final_TH)
+        ids_T, aux_TK, final_TH = _append_to_previous(path, req, ids_T, aux_TK, final_TH)
     record = {
         "format": DUMP_FORMAT, "version": DUMP_VERSION,
-        "rid": req.rid, "num_tokens": int(final_TH.shape[0]),
+        "rid": req.rid, "num_tokens": int(final_TH.shape[0]), "input_ids": ids_T,
         "capture_layers": [int(layer) for layer in capture_layers],
         "aux_hidden_states": aux_TK, "final_hidden_states": final_TH,
     }
@@ -342,15 +373,22 @@ def dump_forward_pass(config: DumpConfig, forward_batch: Any, hidden_states: tor
             f"{tuple(aux.shape)}, {num_real} tokens, {len(capture_layers)} captures (scattered "
             "rows under attention DP or sequence parallelism are not supported)"
         )
+    # The pass's token ids, row for row with the states: each dump's identity.
+    input_ids = getattr(forward_batch, "input_ids", None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or \
+            input_ids.shape[0] < num_real:
+        raise DumpError(f"EXTEND pass whose input_ids ({getattr(input_ids, 'shape', input_ids)})"
+                        f" do not cover its {num_real} tokens")
     written = []
     for req in requests:
         try:
             if req.start < 0 or req.start + req.num_rows > num_real:
                 raise DumpError(f"rid {req.rid}: rows {req.start}+{req.num_rows} outside the "
                                 f"{num_real} tokens of the pass")
+            ids_T = _cpu_rows(input_ids, req.start, req.num_rows, torch.int64)
             aux_TK = _cpu_rows(aux, req.start, req.num_rows)
             final_TH = _cpu_rows(hidden_states, req.start, req.num_rows)
-            written.append(write_request(config, req, aux_TK, final_TH, capture_layers))
+            written.append(write_request(config, req, ids_T, aux_TK, final_TH, capture_layers))
         except Exception as exc:  # a full disk or a bad chunk costs this request, not the server
             logger.exception("eagle3 dump: skipped rid %s: %s", req.rid, exc)
     return written

@@ -26,7 +26,7 @@ from eagle3.core import hidden_states as hs
 from eagle3.core.faults import BadRecords, DiskError, StopSignals, disk_error, is_disk_error
 from eagle3.core.progress import human_bytes, human_seconds, progress
 from eagle3.core.records import JsonlAppender, read_jsonl
-from eagle3.core.stage import atomic_write_bytes, file_sha256, sweep_temp_files
+from eagle3.core.stage import StageError, atomic_write_bytes, file_sha256, sweep_temp_files
 from eagle3.extract.checks import skip_key
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,9 @@ FAILURES_FILE = "failures.jsonl"
 SUGGESTED_TOPK = 64  # K named in the disk preflight's advice
 
 
-class ExtractError(RuntimeError):
-    """The stage cannot go on; the message names the record, file or flag and the fix."""
+class ExtractError(StageError):
+    """The stage cannot go on; the message names the record, file or flag and the fix (a
+    StageError: the script's entry point prints it as one line and exits 1)."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from eagle3.core.server import (
+    NotJSONError,
     RetryPolicy,
     ServerError,
     ServerExitedError,
@@ -21,6 +22,7 @@ from eagle3.core.server import (
     make_session,
     post_json,
     post_once,
+    served_model,
     wait_ready,
 )
 from eagle3.testing.fake_sglang import FakeSGLang, Faults, fake_output
@@ -151,3 +153,54 @@ def test_make_session_allows_the_requested_concurrency():
 
     assert asyncio.run(go()) == (200, 200)
 
+
+
+# ---------------------------------------------------------------- servers that are not the API
+
+
+async def _serving(routes: dict, client):
+    """Serve `routes` ({path: (status, body, content type)}) on a loopback port while
+    `client(session, url)` runs; its result."""
+    from aiohttp import web
+
+    app = web.Application()
+    for path, (status, body, ctype) in routes.items():
+        app.router.add_get(path, lambda r, s=status, b=body, t=ctype:
+                           web.Response(status=s, text=b, content_type=t))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with make_session(4) as session:
+            return await client(session, url)
+    finally:
+        await runner.cleanup()
+
+
+PAGE = (200, "<!DOCTYPE html><html><body>Jupyter</body></html>", "text/html")
+
+
+@pytest.mark.parametrize("body", [PAGE, (200, "[1, 2]", "application/json"),
+                                  (200, '{"cut": ', "application/json")])
+def test_get_json_names_the_url_and_what_came_when_a_200_is_not_a_json_object(body):
+    with pytest.raises(NotJSONError, match=r"/server_info answered HTTP 200 with .*port"):
+        asyncio.run(_serving({"/server_info": body},
+                             lambda s, url: get_server_info(s, url)))
+
+
+def test_wait_ready_stops_at_once_when_the_url_serves_a_web_page():
+    t0 = time.monotonic()
+    with pytest.raises(NotJSONError, match="HTML page"):
+        asyncio.run(_serving({"/model_info": PAGE},
+                             lambda s, url: wait_ready(s, url, timeout_s=30, poll_s=0.05)))
+    assert time.monotonic() - t0 < 10  # not the 30 s of a server still loading
+
+
+@pytest.mark.parametrize("models", [{}, {"data": []}, {"data": "m"}, {"data": [{"name": "m"}]},
+                                    {"data": [None]}, {"data": [{"id": ""}]}])
+def test_served_model_refuses_a_model_list_without_a_model_id(models):
+    with pytest.raises(ServerError, match=r"http://h/v1/models lists no model id"):
+        served_model(models, "http://h")
+    assert served_model({"data": [{"id": "m"}, {"id": "n"}]}, "http://h") == "m"

@@ -1,7 +1,11 @@
 """02b's SGLang client against a dump server that misbehaves on cue (tests/fake_dump_server.py):
 each fault (HTTP 500, no answer, an answer cut half-way, a wrong prompt_tokens, a dump short of a
 row or truncated) ends in a bounded retry with backoff and then a failure line for that record,
-never a hang and never a wrong file; NaN states are skipped as bad; SIGTERM stops cleanly."""
+never a hang and never a wrong file; NaN states are skipped as bad; SIGTERM stops cleanly.
+
+And a server that lies: a dump must prove it belongs to its request (its input_ids, its dtype),
+what sits at a dump's path is read only as a plain file of a dump's size, and a server that is not
+the dump server (or a run that cannot go on) ends the script in one line, exit 1."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -200,3 +205,102 @@ def test_extract_sglang_stops_with_disk_error_when_disk_fills_and_rerun_complete
         assert library_run(workdir, tiny_target_dir, server, layers)["failed"] == 0
         assert_good_files(workdir, reference)
         assert list(server.dump_config.dump_dir.iterdir()) == []
+
+
+# ---------------------------------------------------------------- a server that lies
+
+
+def _lie(kind: str, merged: Path) -> tuple[Faults, str]:
+    """(Faults, the words of the record's failure reasons) of one lie about record BAD."""
+    bad = rid(merged, BAD)
+    records = list(read_jsonl(merged / "01c_merged/train.jsonl"))
+    return {
+        # record 5's first 48 tokens under record 4's rid: right length, prompt_tokens and
+        # shapes, the wrong states
+        "another prompt": (Faults(foreign_prompt={bad: records[BAD + 1]["input_ids"][:48]}),
+                           "ids differ"),
+        "integer states": (Faults(int_states={bad}), "torch.int16"),
+        "another request's answer": (Faults(answer_id={bad}), "another request"),
+        "a directory": (Faults(dump_entry={bad: "directory"}), "is a directory"),
+        "a FIFO": (Faults(dump_entry={bad: "fifo"}), "not a regular file"),
+        "a bloated file": (Faults(dump_entry={bad: "bloated"}), "more than a dump of 48 tokens"),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["another prompt", "integer states", "another request's answer",
+                                  "a directory", "a FIFO", "a bloated file"])
+def test_extract_sglang_never_writes_a_dump_that_lies_as_the_records_file(
+        merged, reference, tiny_target_dir, server, layers, tmp_path, kind):
+    server.faults, reason = _lie(kind, merged)
+    workdir = copy_merged(merged, tmp_path / "w")
+    result: dict = {}
+
+    def run():
+        try:
+            result["out"] = library_run(workdir, tiny_target_dir, server, layers)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # a reader blocked on the FIFO: give it a writer, then fail
+        for fifo in server.dump_config.dump_dir.iterdir():
+            if fifo.is_fifo():
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("the client hung on what sat at the dump's path")
+    assert "error" not in result, result.get("error")
+    assert result["out"]["failed"] == 1
+    assert_good_files(workdir, reference, missing={BAD})
+    (line,) = read_jsonl(workdir / STAGE / "train/failures.jsonl")
+    assert line["idx"] == BAD and len(line["reasons"]) == 2
+    assert all(reason in r for r in line["reasons"]), line["reasons"]
+
+
+def run_script(workdir: Path, target: Path, server: FakeDumpServer, capsys, *extra: str,
+               dump_dir: Path | None = None) -> tuple[int, str]:
+    """02b through its entry point: (exit code, its error lines); never a traceback."""
+    argv = ["--workdir", str(workdir), "--target", str(target), "--server-url", server.url,
+            "--dump-dir", str(dump_dir or server.dump_config.dump_dir), "--dump-wait-s", "0.3",
+            "--splits", "train", *extra]
+    capsys.readouterr()
+    rc = script_main(lambda: main_02b()(argv), "02b")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, "\n".join(line for line in err.splitlines() if line.startswith("02b: "))
+
+
+def test_main_ends_in_one_line_when_server_info_is_a_web_page(
+        merged, tiny_target_dir, server, tmp_path, capsys):
+    server.faults.server_info_html = True
+    rc, line = run_script(copy_merged(merged, tmp_path / "w"), tiny_target_dir, server, capsys)
+    assert rc == 1 and line.startswith("02b: error: ") and "\n" not in line
+    assert f"{server.url}/server_info" in line and "HTML page" in line
+    assert server.generate_calls == []
+
+
+def test_main_ends_in_one_line_naming_the_restart_when_dumps_are_of_an_older_format(
+        merged, tiny_target_dir, server, tmp_path, capsys):
+    server.faults.old_format = True
+    rc, line = run_script(copy_merged(merged, tmp_path / "w"), tiny_target_dir, server, capsys)
+    assert rc == 1 and "\n" not in line
+    assert "v1 file" in line and "Restart the dump server" in line
+    assert len(server.generate_calls) == 1
+
+
+@pytest.mark.parametrize("case,words", [("no dump dir", "does not exist"),
+                                        ("other layers", "the server captured layers"),
+                                        ("verify fails", "differ from the transformers forward")])
+def test_main_ends_in_one_line_when_extraction_cannot_go_on(
+        merged, tiny_target_dir, target_model, layers, tmp_path, capsys, case, words):
+    kw, extra, dump_dir = {}, (), None
+    if case == "no dump dir":
+        dump_dir = tmp_path / "no-such-dir"
+    elif case == "other layers":  # announces and dumps other captures than the target's
+        layers = [1, 2, 3]
+    else:  # announces the right layers, captures the next ones
+        kw, extra = {"state_layers": [c + 1 for c in layers]}, ("--verify-against-hf", "2")
+    with FakeDumpServer(target_model, tmp_path / "dump", layers, **kw) as s:
+        rc, line = run_script(copy_merged(merged, tmp_path / "w"), tiny_target_dir, s, capsys,
+                              *extra, dump_dir=dump_dir)
+    assert rc == 1 and line.startswith("02b: error: ") and words in line

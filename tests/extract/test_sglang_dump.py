@@ -44,6 +44,12 @@ def reference(rid: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return aux, final
 
 
+def reference_ids(rid: str, num_tokens: int) -> torch.Tensor:
+    """Deterministic per-request prompt: int64 [T]."""
+    gen = torch.Generator().manual_seed(sum(map(ord, rid)) + 1)
+    return torch.randint(0, 1000, (num_tokens,), generator=gen)
+
+
 def forward_pass(chunks, mode=ForwardMode.EXTEND, pad_rows=0, packed=False, totals=None):
     """A fake ForwardBatch plus the model output for `chunks` = [(rid, prefix, num_rows)].
 
@@ -51,9 +57,10 @@ def forward_pass(chunks, mode=ForwardMode.EXTEND, pad_rows=0, packed=False, tota
     `packed=False` the aux states are a list of 3 [rows, H] tensors (SGLang <= 0.5.16).
     """
     totals = totals or {}
-    aux_rows, final_rows, positions = [], [], []
+    aux_rows, final_rows, positions, ids = [], [], [], []
     for rid, prefix, num_rows in chunks:
         aux, final = reference(rid, totals.get(rid, prefix + num_rows))
+        ids.append(reference_ids(rid, totals.get(rid, prefix + num_rows))[prefix:prefix + num_rows])
         aux_rows.append(aux[prefix:prefix + num_rows])
         final_rows.append(final[prefix:prefix + num_rows])
         positions.append(torch.arange(prefix, prefix + num_rows))
@@ -62,6 +69,7 @@ def forward_pass(chunks, mode=ForwardMode.EXTEND, pad_rows=0, packed=False, tota
     lens = [n for _, _, n in chunks]
     batch = SimpleNamespace(
         forward_mode=mode,
+        input_ids=torch.cat(ids + [torch.zeros(pad_rows, dtype=torch.long)]),
         rids=[rid for rid, _, _ in chunks],
         extend_start_loc=torch.tensor([sum(lens[:j]) for j in range(len(lens))]),
         extend_seq_lens_cpu=lens,
@@ -88,9 +96,11 @@ def run(config, chunks, **kwargs):
 def assert_matches_reference(config, rid, num_tokens):
     data = sglang_dump.load_dump(sglang_dump.dump_file_path(config.dump_dir, rid))
     aux, final = reference(rid, num_tokens)
-    assert set(data) == {"format", "version", "rid", "num_tokens", "capture_layers",
-                         "aux_hidden_states", "final_hidden_states"}
+    assert set(data) == {"format", "version", "rid", "num_tokens", "input_ids", "capture_layers",
+                         "aux_hidden_states", "final_hidden_states"} == set(sglang_dump.DUMP_KEYS)
     assert (data["rid"], data["num_tokens"], data["capture_layers"]) == (rid, num_tokens, CAPTURE)
+    assert data["input_ids"].dtype == torch.int64
+    assert torch.equal(data["input_ids"], reference_ids(rid, num_tokens))  # every chunk's ids
     assert data["aux_hidden_states"].dtype == data["final_hidden_states"].dtype == torch.bfloat16
     assert torch.equal(data["aux_hidden_states"], aux)
     assert torch.equal(data["final_hidden_states"], final)
@@ -243,3 +253,38 @@ def test_default_capture_layers_agree_with_the_library_when_loaded_inside_sglang
     for num_layers in range(7, 129):  # below 7 layers the library refuses: no 3 distinct
         assert (sglang_dump.default_capture_layers(num_layers)
                 == target.default_capture_layers(num_layers)), num_layers
+
+
+def test_load_dump_refuses_version_1_file_naming_the_restart_when_it_has_no_input_ids(tmp_path):
+    aux, final = reference("eagle3-a", 3)
+    old = {"format": sglang_dump.DUMP_FORMAT, "version": 1, "rid": "eagle3-a", "num_tokens": 3,
+           "capture_layers": CAPTURE, "aux_hidden_states": aux, "final_hidden_states": final}
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(sglang_dump.OldDumpError, match=r"v1 file.*input_ids.*Restart"):
+        sglang_dump.load_dump(tmp_path / "old.pt")
+    torch.save({**old, "version": 3}, tmp_path / "new.pt")  # newer: not an OldDumpError
+    with pytest.raises(DumpError, match="version 3") as e:
+        sglang_dump.load_dump(tmp_path / "new.pt")
+    assert not isinstance(e.value, sglang_dump.OldDumpError)
+
+
+def test_maybe_dump_writes_nothing_when_pass_has_no_input_ids_for_its_rows(config, monkeypatch,
+                                                                          caplog):
+    monkeypatch.setattr(sglang_dump, "server_config", lambda: config)
+    config.dump_dir.mkdir()
+    model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=CAPTURE))
+    for ids in (None, torch.zeros(2, dtype=torch.long)):  # absent, or fewer than the 3 rows
+        batch, final, aux = forward_pass([("eagle3-a", 0, 3)])
+        batch.input_ids = ids
+        with caplog.at_level(logging.WARNING):
+            sglang_dump.maybe_dump(model, batch, final, aux)
+        assert dump_names(config) == []
+    assert "input_ids" in caplog.text
+
+
+def test_dump_forward_pass_stores_int64_ids_when_the_pass_holds_int32_ids(config):
+    batch, final, aux = forward_pass([("eagle3-a", 0, 5)], pad_rows=2)
+    batch.input_ids = batch.input_ids.to(torch.int32)
+    config.dump_dir.mkdir()
+    sglang_dump.dump_forward_pass(config, batch, final, aux, CAPTURE)
+    assert_matches_reference(config, "eagle3-a", 5)
