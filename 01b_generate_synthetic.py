@@ -19,10 +19,18 @@ an uninterrupted one.
 
 Backends: `sglang` (the real run: native /generate, exact output ids), `openai` (any
 /v1/chat/completions server; the reply is re-rendered with the template), `hf` (in process).
+The hf backend's engine (`--hf-engine`): `fast` (default; a static KV cache and decode steps
+replayed from CUDA graphs on a GPU, greedy or sampled, Llama / Qwen2 / Qwen3 / DeepSeek-V3
+targets; at temperature 0 the tokens of `generate`, bf16 near-ties aside) or `generate`
+(transformers' generate, greedy, any target). Both run fixed batches of --batch-size prompts
+in one order, so a resumed run writes the tokens an uninterrupted one would.
 
 Tiny target (demo):
     python 01b_generate_synthetic.py --workdir runs/demo --target runs/demo/target \\
         --backend hf --max-new-tokens 48
+A small target on one GPU (benchmarks/bench_generate.py measures the engines):
+    python 01b_generate_synthetic.py --workdir runs/smollm2 --target runs/smollm2/target \
+        --backend hf --device cuda --dtype bfloat16 --batch-size 512 --max-new-tokens 2048
 Real run (see train_plan_v4.md for the SGLang server; several --server-url for several servers):
     python 01b_generate_synthetic.py --workdir runs/kimi-k25 --target /models/Kimi-K2.5 \\
         --backend sglang --server-url http://127.0.0.1:30000 --max-new-tokens 8192 \\

@@ -50,7 +50,16 @@ class GenerateConfig(UpstreamStageFlags):
                            "skipped.jsonl before the stage stops; stage 01 writes none, so any "
                            "is damage: 10 rides over a few in a days-long run and stops early "
                            "on a wrong or corrupt file (0 = stop at the first, -1 = no limit)")
-    batch_size: int = arg(8, "hf backend: prompts generated together")
+    batch_size: int = arg(8, "hf backend: prompts generated together (a fixed batch; the fast "
+                             "engine on a GPU: 256-1024, its cache holds batch x (prompt + "
+                             "budget) tokens)")
+    # fast: eagle3/generate/fast.py (static KV cache, decode steps replayed from CUDA graphs on
+    # a GPU, greedy or sampled; Llama, Qwen2/3, DeepSeek-V3 targets); generate: transformers'
+    # model.generate (greedy only, any target), the reference fast is tested against
+    hf_engine: str = arg("fast", "hf backend: fast (static KV cache, CUDA-graph decoding, "
+                                 "greedy or sampled; Llama, Qwen2/3, DeepSeek-V3) or generate "
+                                 "(transformers' generate: greedy, any target)",
+                         choices=["fast", "generate"])
     dtype: str = arg("float32", "hf backend: model dtype (float32, bfloat16)")
     device: str = arg("cpu", "hf backend: torch device")
 
@@ -66,5 +75,8 @@ class GenerateConfig(UpstreamStageFlags):
             raise ValueError("--max-bad must be >= 0, or -1 for no limit")
         if not 0 <= self.max_failure_fraction <= 1:
             raise ValueError("--max-failure-fraction must be in [0, 1]")
+        if self.backend == "hf" and self.hf_engine == "generate" and self.temperature > 0:
+            raise ValueError("--hf-engine generate is greedy only: use --temperature 0 or "
+                             "--hf-engine fast")
         if self.api_key_env and self.backend != "openai":
             raise ValueError("--api-key-env is for --backend openai")

@@ -9,7 +9,9 @@ generates the reply greedily. Three backends generate (see `eagle3.generate.back
   `output_ids` the server produced (no decode and re-encode);
 - `openai`: any `/v1/chat/completions` server; the reply (content, reasoning, tool calls) is
   re-rendered with the template, so its tokens are the template's, not necessarily the server's;
-- `hf`: in-process transformers, in fixed batches (the demo, the tests, small targets).
+- `hf`: in-process transformers, in fixed batches (the demo, the tests, small targets), by
+  one of two engines: `fast` (eagle3/generate/fast.py: static KV cache, CUDA-graph decoding on a
+  GPU, greedy or sampled) or `generate` (transformers' `model.generate`, greedy).
 
 For other datasets the existing replies are rendered with their loss masks.
 
@@ -27,6 +29,7 @@ run ends with the same files as an uninterrupted one, whatever the completion or
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -230,7 +233,8 @@ class RecordSink:
 
 
 class HFGenerator:
-    """Greedy generation with an in-process transformers target (small targets, tests)."""
+    """Greedy generation through transformers' `model.generate` (`--hf-engine generate`: any
+    target transformers runs; the reference the fast engine is tested against)."""
 
     def __init__(self, model, eos_ids: list[int], pad_id: int):
         self.model = model
@@ -240,6 +244,8 @@ class HFGenerator:
     def generate(self, jobs: list[GenerationJob]) -> list[tuple[list[int], str]]:
         """(output ids, finish reason) per job; output stops after the first eos id."""
         import torch
+
+        from eagle3.generate.fast import cut_output
 
         device = self.model.device
         width = max(len(j.prompt_ids) for j in jobs)
@@ -257,18 +263,39 @@ class HFGenerator:
                 eos_token_id=self.eos_ids,
                 pad_token_id=self.pad_id,
             )[:, width:].tolist()
-        results = []
-        for j, row in zip(jobs, out, strict=True):
-            row = row[: j.max_new_tokens]
-            stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
-            if stop is None:
-                results.append((row, "length"))
-            else:
-                results.append((row[: stop + 1], "stop"))
-        return results
+        return [cut_output(row, j.max_new_tokens, self.eos_ids)
+                for j, row in zip(jobs, out, strict=True)]
 
 
-def run_generation(jobs: list[GenerationJob], generator: HFGenerator, sink: RecordSink,
+class FastJobGenerator:
+    """The hf backend's default engine (`--hf-engine fast`): `eagle3.generate.fast.
+    FastGenerator` on jobs, greedy or sampled. A sampled batch draws from a seed of its first
+    record id, so a resumed run (the same fixed batches) writes what an uninterrupted one did."""
+
+    def __init__(self, model, eos_ids: list[int], pad_id: int, batch_size: int,
+                 temperature: float = 0.0):
+        from eagle3.generate.fast import FastGenerator
+
+        self.fast = FastGenerator(model, eos_ids, pad_id, max_batch=batch_size)
+        self.temperature = temperature
+
+    def generate(self, jobs: list[GenerationJob]) -> list[tuple[list[int], str]]:
+        seed = int.from_bytes(hashlib.sha256(jobs[0].id.encode()).digest()[:8], "little")
+        return self.fast.generate_ids([j.prompt_ids.tolist() for j in jobs],
+                                      [j.max_new_tokens for j in jobs], self.temperature,
+                                      seed=seed & (2 ** 63 - 1))
+
+    def take_stats(self) -> dict:
+        """The engine's counts since the last call (`GenerationStats`: graphs, steps, times)."""
+        from dataclasses import asdict, replace
+
+        stats = self.fast.stats
+        self.fast.stats = replace(type(stats)(), kv_bytes=stats.kv_bytes,
+                                  eager_reason=stats.eager_reason)
+        return asdict(stats)
+
+
+def run_generation(jobs: list[GenerationJob], generator: HFGenerator | FastJobGenerator, sink: RecordSink,
                    done: set[str], batch_size: int, bar, stop=None) -> dict:
     """hf backend: generate every job not in `done` in fixed batches; returns the sink's counts.
     `stop` (an `eagle3.core.faults.StopSignals`) is checked after each batch is written.

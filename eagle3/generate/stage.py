@@ -25,6 +25,7 @@ from eagle3.generate.backends import OpenAIBackend, SGLangBackend
 from eagle3.generate.config import GenerateConfig
 from eagle3.generate.inputs import read_conversations
 from eagle3.generate.jobs import (
+    FastJobGenerator,
     HFGenerator,
     RecordSink,
     build_job,
@@ -47,7 +48,11 @@ def build_generator(cfg: GenerateConfig, renderer: ChatRenderer, tokenizer,
     """The hf generator or a server backend, ready to use."""
     if cfg.backend == "hf":
         model = load_hf_model(cfg.target, cfg.dtype, cfg.device, cfg.trust_remote_code)
-        return HFGenerator(model, [renderer.end_of_turn_id], tokenizer.pad_token_id)
+        eos = renderer.end_of_turn_id
+        pad = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        if cfg.hf_engine == "fast":
+            return FastJobGenerator(model, [eos], pad, cfg.batch_size, cfg.temperature)
+        return HFGenerator(model, [eos], pad)
     pool = ServerPool(cfg.server_url, cfg.pool_policy)
     policy = RetryPolicy(base_delay_s=cfg.retry_delay_s, timeout_s=cfg.request_timeout_s)
     if cfg.backend == "sglang":
@@ -70,9 +75,13 @@ def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, genera
                    unit="req")
     try:
         if hf:
+            t0 = time.monotonic()
             with StopSignals(RESUME) as stop:
                 counts = dict(run_generation(jobs, generator, sink, done, cfg.batch_size, bar,
                                              stop))
+            counts.update(seconds=round(time.monotonic() - t0, 1), hf_engine=cfg.hf_engine)
+            if isinstance(generator, FastJobGenerator):
+                counts["fast"] = generator.take_stats()
         else:  # the runner handles signals itself (requests in flight may finish)
             runner_cfg = RunnerConfig(cfg.concurrency, cfg.long_concurrency,
                                       cfg.long_context_threshold, cfg.max_attempts,
@@ -162,6 +171,12 @@ def summary_rows(outputs: dict, seconds: float, disk: int) -> dict:
             if "seconds" in c:
                 rows[f"{n} req/s, out tok/s"] = (f"{c['generated'] / s:,.1f}, "
                                                  f"{c['output_tokens'] / s:,.0f}")
+            if c.get("fast"):
+                f = c["fast"]
+                rows[f"{n} fast engine"] = (f"{f['graph_steps']:,} of {f['decode_steps']:,} "
+                                            f"decode steps from {f['graphs']} CUDA graphs"
+                                            + (f"; eager: {f['eager_reason']}"
+                                               if f["eager_reason"] else ""))
             for reason, k in c["failure_reasons"].items():
                 rows[f"{n} failed: {reason[:40]}"] = k
     rows.update(time=human_seconds(seconds), disk=human_bytes(disk))
