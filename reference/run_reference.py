@@ -212,21 +212,22 @@ PROFILES["smoke-smollm2"] = replace(
     PROFILES["smoke"], target_source="smollm2", target=(), threads=2,
     phase3=("checkpoints", "topk"), draft_vocab=512)
 # Issue 35's chat reference: SmolLM2 writes its own chat data at scale (01's self-written
-# source: 20,000 conversations of 1-3 user turns plus held-out prompts no stage trains on), 01b
-# regenerates the last replies with the fast hf engine, 02b stores fp8 states (half of bf16's
-# disk: ~9M tokens), 04 trains 4 epochs; phase 3 runs 05 at temperature 0 (held-out self-written
-# prompts and prompts/chat.jsonl, context buckets of 256 tokens) beside the sweep of the main
-# draft (chains 3 and 7) and the data-size drafts (2,500 and 10,000 conversations, their 02b
-# files hard links to main's). benchmarks/gpu_chat_reference.sh runs it on one H100/H200.
+# source: 20,000 conversations of 1-3 user turns plus 300 held-out prompts no stage sees), 01b
+# regenerates the last replies with the fast hf engine (batch 1024), 02b stores fp8 states (~7M
+# tokens: 2.9 KB a token against bf16's 4.6), 04 trains 4 epochs. Phase 3 trains the data-size
+# drafts (2,500 and 10,000 conversations, their 02b files hard links to main's) while the main
+# draft's sweep runs beside them, as far as the deadline allows; 05 on the held-out prompts runs
+# wherever the drafts are brought (the drafts are small). benchmarks/gpu_chat_reference.sh runs
+# it on one H100/H200.
 PROFILES["h200-chat"] = replace(
     PROFILES["h200-smollm2"], corpus=(), corpus_source="self_written",
-    self_written=(("count", 20000), ("heldout", 400), ("seed", 0), ("temperature", 1.0),
+    self_written=(("count", 20000), ("heldout", 300), ("seed", 0), ("temperature", 1.0),
                   ("top_p", 1.0), ("max_user_tokens", 96), ("min_user_chars", 16),
-                  ("reply_max_new_tokens", 384),
+                  ("reply_max_new_tokens", 256),
                   ("turns", ((1, 0.6), (2, 0.25), (3, 0.15)))),
     self_written_max_seq_len=2048,
-    prepare=("--device", "cuda", "--dtype", "bfloat16", "--gen-batch-size", "512"),
-    generate=("--max-new-tokens", "384", "--batch-size", "512", "--dtype", "bfloat16"),
+    prepare=("--device", "cuda", "--dtype", "bfloat16", "--gen-batch-size", "1024"),
+    generate=("--max-new-tokens", "256", "--batch-size", "1024", "--dtype", "bfloat16"),
     merge=("--eval-fraction", "0.02", "--max-seq-len", "2048"),
     extract=("--model-dtype", "bfloat16", "--max-batch-tokens", "131072"),
     main_dtype="fp8", draft_vocab=8192,
@@ -234,9 +235,9 @@ PROFILES["h200-chat"] = replace(
            "--log-every", "20"),
     epochs=4, train_max_seq_len=2048, pack_tokens=8192,
     bench_prompts=12, bench_max_new=128, bench_extra_sets=("chat",),
-    context_bucket_tokens=256, sweep_prompts=40, sweep_max_new=128,
+    context_bucket_tokens=256, sweep_prompts=24, sweep_max_new=128,
     size_fractions=(), size_counts=(2500, 10000), size_link_states=True,
-    phase3=("bench_t0", "sizes"), deadline_s=1020.0, eval_workers=6)
+    phase3=("sizes",), deadline_s=600.0, eval_workers=3)
 # The same route on CPU at toy sizes (the test of the self-written profile).
 PROFILES["smoke-chat"] = replace(
     PROFILES["smoke-smollm2"], corpus=(), corpus_source="self_written",

@@ -179,10 +179,11 @@ class PhaseSteps:
         """W/corpus/recipe_self_written.json: one dataset the target writes itself (01's
         self-written source), prompts only (01b writes the last reply)."""
         path = self.corpus / "recipe_self_written.json"
+        block = dict(self.profile.self_written)  # the entry's count and seed, the rest its block
         recipe = {"name": "reference_chat", "description": "user turns written by the target "
                   "itself (01's self-written source); replies by 01b",
-                  "datasets": [{"name": SELF_WRITTEN_DATASET, "adapter": "openai",
-                                "self_written": dict(self.profile.self_written),
+                  "datasets": [{"name": SELF_WRITTEN_DATASET, "count": block.pop("count"),
+                                "seed": block.pop("seed", 0), "self_written": block,
                                 "max_seq_len": self.profile.self_written_max_seq_len,
                                 "regenerate": True}]}
         self.corpus.mkdir(parents=True, exist_ok=True)
