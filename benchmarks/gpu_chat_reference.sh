@@ -60,7 +60,19 @@ print(len(ids), 'eval ids')"
     # the drafts (model.safetensors + config; final_speculators is rebuilt from them): main's,
     # then the data-size ones, each in parts of <= 15 MB, while $OUT stays under 60 MB
     local run name
-    for run in "$REF/main" "$REF"/size_*; do
+    # 04 still running at the last call: its latest epoch checkpoint, exported as a draft
+    if [ ! -f "$REF/main/04_train/final/model.safetensors" ] && [ -d "$REF/main/04_train/checkpoints" ]; then
+        python3 -c "
+import json; from pathlib import Path
+from eagle3.train.checkpoint import complete_steps
+from reference.stages import export_checkpoint
+root = Path('$REF/main/04_train/checkpoints'); steps = complete_steps(root)
+if steps:
+    d = root / f'step_{steps[-1]:06d}'
+    export_checkpoint(d, json.loads((d / 'config.json').read_text()), Path('$W/partial/04_train/final'))
+    print('exported checkpoint', d)" && run_dirs=("$W/partial")
+    fi
+    for run in "$REF/main" "$REF"/size_* ${run_dirs[@]+"${run_dirs[@]}"}; do
         [ -f "$run/04_train/final/model.safetensors" ] || continue
         name=draft_$(basename "$run")
         cp "$run/04_train/manifest.json" "$run/04_train/final/train_manifest.json" 2>/dev/null
