@@ -21,12 +21,15 @@ the servers' flags, and refuses what would silently serve garbage (e.g. EAGLE wi
 draft). Prompt sets: `eval` (held-out split), `chat`, `code`, `math`, `tools` (prompts/), or
 JSONL paths.
 
-Faults (eagle3/bench/faults.py): a damaged draft file (cut safetensors, config.json not JSON or
-lacking keys, d2t of the wrong size) stops 05 naming it before any server starts; bad prompt
-lines are skipped into `05_benchmark/skipped.jsonl` (`--max-bad`); a request that fails after
-`--retries` (5xx, timeout, cut stream, miscounted answer) is listed in `failed_requests.jsonl`,
-left out of every figure, and makes the exit code 1; a full disk stops with the folder and the
-bytes needed; SIGTERM keeps the levels measured in a partial results.json and exits 143.
+Faults (eagle3/bench/faults.py): a damaged draft file (cut safetensors, a NaN in a weight,
+config.json not JSON or lacking keys, d2t of the wrong size) stops 05 naming it before any server
+starts, `--check-only` too; bad prompt lines are skipped into `05_benchmark/skipped.jsonl`
+(`--max-bad`); a request that fails after `--retries` (5xx, timeout, cut stream, an answer whose
+counts cannot be) is listed in `failed_requests.jsonl`, left out of every figure, and makes the
+exit code 1; an acceptance no count vouches for is "-" with the reason; speculative outputs
+that differ from the baseline's at temperature 0 are flagged (exit code 1); a full disk stops
+with the folder and the bytes needed; SIGTERM keeps the levels measured in a partial
+results.json and exits 143.
 
 Tiny target (demo):
     python 05_benchmark.py --workdir runs/demo --target runs/demo/target --backend hf \

@@ -19,6 +19,16 @@ chunk); "count" (completion_tokens disagrees with the ids sent); "short" (half t
 finish reason). `metrics_fault` = "garbage" or "missing" spoils vLLM's `/metrics`.
 The same server speaks vLLM's OpenAI face too: `/v1/models`, `/v1/completions` (token ids in
 and out, streamed with a usage chunk) and `/metrics` with the `vllm:spec_decode_*` counters.
+
+Lies, cued the same way (`LIES`): "overlong" (3 tokens more than max_new_tokens, counted as
+such), "prompt_count" (one prompt token more than sent), "verify_excess" (more verify rounds
+than tokens), "verify_few" (one verify round for the whole answer: more tokens a round than the
+steps allow), "verify_negative" (-1 rounds); "nulls" (a legal answer whose optional counts are
+null). Server-wide: `lossy` (the last output token differs from the plain one), `html_paths`
+(these GET paths answer 200 with a web page), `metrics_fault` "nan" (NaN counters) or
+"inflated" (more accepted than drafted tokens), and `sse_dialect="legal"`: streams in what the
+SSE standard allows and the servers do not send (CRLF line ends, comment lines, `retry` and `id`
+fields, an event of another type, a JSON object over two data lines).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ def verify_count(n: int, tokens_per_verify: int | None) -> int | None:
 
 
 FAULTS = ("http500", "hang", "drop", "eof", "count", "short")
+LIES = ("overlong", "prompt_count", "verify_excess", "verify_few", "verify_negative")
 
 
 class FakeBenchServer:
@@ -50,7 +61,8 @@ class FakeBenchServer:
                  step_s: float = 0.02, incremental: bool = False, port: int = 0,
                  faults: dict[int, str | list[str]] | None = None,
                  once: list[str] | None = None,
-                 metrics_fault: str | None = None):
+                 metrics_fault: str | None = None, lossy: bool = False,
+                 html_paths: tuple[str, ...] = (), sse_dialect: str | None = None):
         self.info = {"version": "0.5.23", "speculative_algorithm": None, **info,
                      "incremental_streaming_output": incremental}
         self.k, self.ttft_s, self.step_s = tokens_per_verify, ttft_s, step_s
@@ -59,13 +71,14 @@ class FakeBenchServer:
         self.faults = {k: list(v) if isinstance(v, list) else v for k, v in (faults or {}).items()}
         self.once = list(once or [])
         cued = [k for v in self.faults.values() for k in ([v] if isinstance(v, str) else v)]
-        assert set(cued) | set(self.once) <= set(FAULTS)
+        assert set(cued) | set(self.once) <= set(FAULTS + LIES + ("nulls",))
         self.metrics_fault = metrics_fault
+        self.lossy, self.html_paths, self.sse_dialect = lossy, html_paths, sse_dialect
         self.counters = {"drafts": 0, "accepted": 0}  # vLLM's spec-decode counters
         self._loop = self._runner = self._thread = None
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._web_pages])
         app.router.add_get("/model_info", self._model_info)
         app.router.add_get("/server_info", self._server_info)
         app.router.add_post("/generate", self._generate)
@@ -73,6 +86,14 @@ class FakeBenchServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/metrics", self._metrics)
         return app
+
+    @web.middleware
+    async def _web_pages(self, request, handler):
+        """`html_paths` answer a 200 web page, as another service on that port would."""
+        if request.method == "GET" and request.path in self.html_paths:
+            return web.Response(text="<!DOCTYPE html><html><title>Grafana</title></html>",
+                                content_type="text/html")
+        return await handler(request)
 
     def _fault(self, prompt: list[int]) -> str | None:
         """The fault this request is cued for, if any."""
@@ -102,13 +123,25 @@ class FakeBenchServer:
                 meta["completion_tokens"] = len(ids) + 3
             if verify:
                 meta["spec_verify_ct"] = verify
+            lied = {"verify_excess": len(ids) + 2, "verify_few": 1, "verify_negative": -1}
+            if fault in lied:
+                meta["spec_verify_ct"] = lied[fault]
+        if fault == "prompt_count":
+            meta["prompt_tokens"] += 1
+        if fault == "nulls":
+            meta.update(prompt_tokens=None, cached_tokens=None, completion_tokens=None,
+                        e2e_latency=None)
         return meta
 
     def _answer(self, prompt: list[int], max_new: int, fault: str | None):
         """(output ids, commit points): the prefill token, then 1 or k tokens per step."""
-        ids = fake_output_ids(prompt, max_new)
+        ids = fake_output_ids(prompt, max_new + (3 if fault == "overlong" else 0))
+        if fault == "overlong":
+            ids += [7] * (max_new + 3 - len(ids))
         if fault == "short":
             ids = ids[:max(1, len(ids) // 2)]
+        if self.lossy:
+            ids[-1] = (ids[-1] + 1) % 500
         cuts = [1] + list(range(1 + (self.k or 1), len(ids), self.k or 1)) + [len(ids)]
         return ids, sorted(set(c for c in cuts if c <= len(ids)))
 
@@ -154,12 +187,24 @@ class FakeBenchServer:
                     request.transport.close()  # mid-stream: no terminating chunk
                     return resp
                 break
-            await resp.write(b"data: " + json.dumps(chunk(i, cut, sent)).encode() + b"\n\n")
+            await resp.write(self._event(json.dumps(chunk(i, cut, sent)), i))
             sent = cut
         else:
-            await resp.write(tail)
+            await resp.write(self._dialect(tail))
         await resp.write_eof()
         return resp
+
+    def _event(self, data: str, i: int) -> bytes:
+        """One SSE event of `data` as SGLang and vLLM write it, or in the legal dialect."""
+        if self.sse_dialect != "legal":
+            return b"data: " + data.encode() + b"\n\n"
+        head = "retry: 3000\n: stream opened\n" if i == 0 else ""
+        cut = data.index(",") + 1 if "," in data else len(data)  # a JSON object on two lines
+        return self._dialect((f"{head}: keep-alive\nevent: ping\ndata: {{}}\n\nid: {i}\n"
+                              f"data:{data[:cut]}\ndata: {data[cut:]}\n\n").encode())
+
+    def _dialect(self, raw: bytes) -> bytes:
+        return raw.replace(b"\n", b"\r\n") if self.sse_dialect == "legal" else raw
 
     # ------------------------------------------------------------ vLLM's face
 
@@ -176,7 +221,10 @@ class FakeBenchServer:
         ids, cuts = self._answer(prompt, max_new, fault)
         finish = None if fault == "short" else ("length" if len(ids) >= max_new else "stop")
         count = len(ids) + (3 if fault == "count" else 0)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": count}
+        usage = {"prompt_tokens": len(prompt) + (fault == "prompt_count"),
+                 "completion_tokens": count}
+        if fault == "nulls":
+            usage = {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None}
         if fault not in ("drop", "eof"):
             self._count_spec(len(ids))
         if not payload.get("stream"):
@@ -203,7 +251,11 @@ class FakeBenchServer:
             return web.Response(status=404, text="404: Not Found")
         if self.metrics_fault == "garbage":
             return web.Response(text="<html>this is {{ not prometheus</html>\n")
-        c, k = self.counters, self.k or 0
+        c, k = dict(self.counters), self.k or 0
+        if self.metrics_fault == "nan":
+            c["accepted"] = "NaN"
+        if self.metrics_fault == "inflated":  # k + 1 accepted of the k drafted a round
+            c["accepted"] = c["drafts"] * (k + 1)
         lines = ["# TYPE vllm:spec_decode_num_drafts counter",
                  f'vllm:spec_decode_num_drafts_total{{engine="0"}} {c["drafts"]}',
                  "# TYPE vllm:spec_decode_num_draft_tokens counter",

@@ -7,7 +7,10 @@ starts: each problem is an `InputFileError` naming the file and what is wrong.
   by `eagle3/draft/check_mla.py`).
 - every `*.safetensors` file is whole: an 8-byte header length, a JSON header, and exactly the
   tensor bytes the header promises (a copy cut short by a full disk fails here, not inside
-  safetensors or the server's loader).
+  safetensors or the server's loader); safetensors itself then reads every tensor (offsets,
+  dtypes), and every floating-point weight must be finite: a NaN or Inf in a weight makes the
+  draft's every proposal garbage while the server serves on. This reads the whole draft once
+  (~1 s per GB).
 - `d2t` has `draft_vocab_size` entries and `t2d` `vocab_size` (config.json's values).
 
 A folder without config.json or without safetensors is left to the preflight
@@ -39,6 +42,7 @@ def check_draft_files(draft_dir: Path) -> None:
     shapes: dict[str, tuple[Path, list[int]]] = {}
     for file in sorted(draft_dir.glob("*.safetensors")):
         shapes.update({name: (file, shape) for name, shape in read_header(file).items()})
+        check_finite(file)
     if config is not None:
         check_vocab_tensors(config, shapes, draft_dir / "config.json")
 
@@ -99,6 +103,28 @@ def read_header(path: Path) -> dict[str, list[int]]:
         raise InputFileError(path, f"{state}: the header promises {8 + n + end:,} bytes, the "
                                    f"file holds {size:,}; {FIX}")
     return shapes
+
+
+def check_finite(path: Path) -> None:
+    """Every tensor of a safetensors file readable, every floating-point one finite; one tensor
+    in memory at a time."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if not t.is_floating_point():
+                    continue
+                bad = int((~torch.isfinite(t.float() if t.element_size() == 1 else t)).sum())
+                if bad:
+                    raise InputFileError(path, f"weight {name} {list(t.shape)} holds {bad:,} "
+                                               "NaN/Inf values: the draft would propose garbage. "
+                                               "Re-export it from a finite checkpoint of 04's "
+                                               "(its last one before the loss went non-finite)")
+    except SafetensorError as e:
+        raise InputFileError(path, f"unreadable safetensors ({e}); {FIX}") from None
 
 
 def check_vocab_tensors(config: dict, shapes: dict[str, tuple[Path, list[int]]],

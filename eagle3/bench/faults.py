@@ -4,10 +4,14 @@
   retried `--retries` times with exponential backoff (jittered) on HTTP 5xx / 429, a timeout, a
   dropped connection or a bad answer; then `RequestFailed`. The figures of a retried request
   are those of its successful attempt (its record says how many attempts it took).
-- `check_answer`: an answer is bad (`BadAnswer`, retried) when its `completion_tokens`
-  disagrees with the ids it carried, when it holds fewer tokens than asked without a finish
-  reason (a stream cut half-way), or when the server aborted it. A bad answer never counts in
-  tokens/s or acceptance.
+- `check_answer`: every count of an answer against what is possible (`AnswerLimits`). It is
+  bad (`BadAnswer`, retried) when its ids are not token ids or more than `max_new_tokens`, a
+  count is not a non-negative int (null: not reported), `completion_tokens` disagrees with the
+  ids it carried, `prompt_tokens` with the ids sent, `cached_tokens` exceeds the prompt,
+  `spec_verify_ct` is more than the tokens (acceptance below 1) or too few for them (more than
+  `steps + 1` tokens a round after the prefill's), when it holds fewer tokens than asked
+  without a finish reason (a stream cut half-way), or when the server aborted it. A bad answer
+  never counts in tokens/s or acceptance.
 - `FailedRequest`: what 05 keeps of a request that failed for good: one line of
   `05_benchmark/failed_requests.jsonl`, counted per level in results.json and the summary.
 - `PartialRun`: a SIGTERM / SIGINT mid-benchmark, carrying what was measured before it; the
@@ -80,18 +84,65 @@ def finish_type(meta: dict) -> str | None:
     return finish.get("type") if isinstance(finish, dict) else finish
 
 
-def check_answer(ids: list[int], meta: dict, max_new_tokens: int, what: str) -> None:
-    """Raise BadAnswer for an answer whose token count cannot be trusted."""
-    counted = meta.get("completion_tokens")
-    if counted is not None and int(counted) != len(ids):
-        raise BadAnswer(f"{what}: completion_tokens {counted} but {len(ids)} token ids in the "
-                        "answer")
+@dataclass(frozen=True)
+class AnswerLimits:
+    """What the answer to one request can hold."""
+
+    max_new_tokens: int  # the budget sent
+    prompt_tokens: int  # the ids sent
+    # A speculative server's: the most tokens one verify round commits (steps + 1; None: no
+    # bound known, or no draft).
+    round_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class AnswerCounts:
+    """An answer's counts, checked (`check_answer`)."""
+
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    spec_verify_ct: int | None  # None: not reported
+
+
+def _count(meta: dict, key: str, what: str) -> int | None:
+    """meta[key] as a count; None when absent or null (not reported)."""
+    value = meta.get(key)
+    if value is not None and (type(value) is not int or value < 0):
+        raise BadAnswer(f"{what}: meta_info.{key} is {repr(value)[:60]}, not a count")
+    return value
+
+
+def check_answer(ids: list[int], meta: dict, limits: AnswerLimits, what: str) -> AnswerCounts:
+    """The answer's counts; BadAnswer for one whose counts cannot be (module docstring)."""
+    if not isinstance(meta, dict):
+        raise BadAnswer(f"{what}: meta_info is {repr(meta)[:100]}, not an object")
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise BadAnswer(f"{what}: output ids that are not token ids: {str(ids)[:100]}")
+    n, sent = len(ids), limits.prompt_tokens
+    counted, prompt, cached, verify = (_count(meta, k, what) for k in (
+        "completion_tokens", "prompt_tokens", "cached_tokens", "spec_verify_ct"))
+    if counted is not None and counted != n:
+        raise BadAnswer(f"{what}: completion_tokens {counted} but {n} token ids in the answer")
+    if n > limits.max_new_tokens:
+        raise BadAnswer(f"{what}: {n} tokens, more than max_new_tokens {limits.max_new_tokens}")
+    if prompt is not None and prompt != sent:
+        raise BadAnswer(f"{what}: the server counted {prompt} prompt tokens, {sent} were sent")
+    if cached is not None and cached > sent:
+        raise BadAnswer(f"{what}: cached_tokens {cached} of a {sent}-token prompt")
+    if verify and verify > n:
+        raise BadAnswer(f"{what}: spec_verify_ct {verify} for {n} tokens: more verify rounds "
+                        "than tokens (each commits at least one)")
+    if verify and limits.round_tokens and n - 1 > verify * limits.round_tokens:
+        raise BadAnswer(f"{what}: {n} tokens in {verify} verify rounds: more than "
+                        f"{limits.round_tokens} (steps + 1) a round after the prefill's token")
     finish = finish_type(meta)
     if finish == "abort":
         raise BadAnswer(f"{what}: aborted by the server ({meta.get('finish_reason')})")
-    if finish is None and len(ids) < max_new_tokens:
-        raise BadAnswer(f"{what}: {len(ids)} of {max_new_tokens} tokens and no finish reason: "
+    if finish is None and n < limits.max_new_tokens:
+        raise BadAnswer(f"{what}: {n} of {limits.max_new_tokens} tokens and no finish reason: "
                         "the answer was cut")
+    return AnswerCounts(n, sent, cached or 0, verify)
 
 
 async def raise_for_status(resp, base_url: str, rid: str) -> None:

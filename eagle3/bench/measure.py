@@ -12,15 +12,21 @@ How each figure is measured, on our own requests only:
 - TTFT: client-side time from sending a request to the first streamed chunk carrying a token
   (`"stream": true`; the server emits a chunk as soon as the prefill produced the first token);
   None without streaming;
-- acceptance length (SGLang): `sum(completion_tokens) / sum(spec_verify_ct)` over the requests
-  whose `meta_info` has `spec_verify_ct` (SGLang omits it for a request that never ran a verify
-  pass); vLLM's comes from its `/metrics` counters (a `LevelProbe`);
+- acceptance length (SGLang): `sum(completion_tokens) / sum(spec_verify_ct)` over the level's
+  requests (SGLang omits `spec_verify_ct` for a request that never ran a verify pass, as a
+  one-token answer). On a speculative server an answer of 2 or more tokens without it, or a
+  level without any verify round, leaves the figure None with the reason in
+  `acceptance_error`; vLLM's comes from its `/metrics` counters (a `LevelProbe`);
 - loop share: share of the output tokens inside repetition loops (eagle3/core/loops.py); the
   loop-free acceptance needs per-round lengths, which the servers do not report;
-- speedup: speculative total tok/s / baseline total tok/s at the same prompt set and concurrency.
+- speedup: speculative total tok/s / baseline total tok/s at the same prompt set and concurrency;
+- lossless: at temperature 0 the speculative server must answer each prompt as the baseline did
+  (`check_lossless`); a level's `lossless_mismatches` counts the prompts whose outputs differ.
 
 Faults (eagle3/bench/faults.py): each request is retried with backoff on a server error, a
-timeout, a cut stream or a miscounted answer; one that fails every attempt is left out of every
+timeout, a cut stream or an answer whose counts cannot be (`check_answer`: more tokens than
+asked, another prompt length, impossible verify rounds); one that fails every attempt is left
+out of every
 figure, listed in `failed_requests.jsonl` and counted in its level's `failed_requests`. A level
 whose requests fail many in a row sends no more. A SIGTERM abandons the level in flight and
 raises `PartialRun` with the levels measured before it.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -44,6 +51,7 @@ import aiohttp
 from eagle3.bench.config import BenchmarkConfig
 from eagle3.bench.faults import (
     FAILED_FILE,
+    AnswerLimits,
     FailedRequest,
     FailureStreak,
     PartialRun,
@@ -92,11 +100,12 @@ class LoadSettings:
     timeout_s: float = 3600.0  # per attempt of a request
     retries: int = 3  # attempts after the first
     retry_delay_s: float = 1.0  # first backoff; doubles each retry
+    speculative: bool = False  # the server decodes with a draft (its acceptance is measured)
+    round_tokens: int | None = None  # the most tokens one verify round commits (steps + 1)
 
     def warmup(self, max_new_tokens: int) -> LoadSettings:
-        return LoadSettings({**self.sampling_params, "max_new_tokens": max_new_tokens},
-                            self.stream, self.incremental_stream, self.timeout_s, self.retries,
-                            self.retry_delay_s)
+        return dataclasses.replace(
+            self, sampling_params={**self.sampling_params, "max_new_tokens": max_new_tokens})
 
 
 # (session, base url, prompt ids, rid, load) -> (output ids, meta, TTFT s, latency s)
@@ -160,20 +169,19 @@ async def run_level(base_url: str, prompts: list[list[int]], concurrency: int,
 async def _attempts(session, base_url: str, prompt: list[int], p: int, rid: str,
                     load: LoadSettings, send: Send) -> RequestRecord:
     """One request with its retries (eagle3/bench/faults.py); its good answer as a record."""
-    max_new = load.sampling_params["max_new_tokens"]
+    limits = AnswerLimits(load.sampling_params["max_new_tokens"], len(prompt),
+                          load.round_tokens if load.speculative else None)
 
     async def attempt(n: int):
         attempt_rid = rid if n == 0 else f"{rid}-retry{n}"  # a hung first attempt keeps its rid
         ids, meta, ttft, latency = await send(session, base_url, prompt, attempt_rid, load)
-        check_answer(ids, meta, max_new, f"{base_url}: request {attempt_rid}")
-        return ids, meta, ttft, latency
+        counts = check_answer(ids, meta, limits, f"{base_url}: request {attempt_rid}")
+        return ids, counts, ttft, latency
 
-    (ids, meta, ttft, latency), attempts = await with_retries(
+    (ids, c, ttft, latency), attempts = await with_retries(
         attempt, load.retries, load.retry_delay_s, f"{base_url}: request {rid}")
-    return RequestRecord(p, rid, ids, int(meta.get("completion_tokens", len(ids))),
-                         int(meta.get("prompt_tokens", len(prompt))),
-                         int(meta.get("cached_tokens", 0)), meta.get("spec_verify_ct"),
-                         ttft, latency, 0.0, attempts)
+    return RequestRecord(p, rid, ids, c.completion_tokens, c.prompt_tokens, c.cached_tokens,
+                         c.spec_verify_ct, ttft, latency, 0.0, attempts)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -184,13 +192,30 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarize_level(records: list[RequestRecord], wall_s: float, failed: int = 0) -> dict:
+def acceptance_error(records: list[RequestRecord]) -> str | None:
+    """Why a speculative server's acceptance cannot be figured from these answers; None when it
+    can (every answer of 2 or more tokens reports its verify rounds, and there are some)."""
+    unverified = [r for r in records if not r.spec_verify_ct and r.completion_tokens >= 2]
+    if unverified:
+        return (f"{len(unverified)} of {len(records)} answers of 2 or more tokens report no "
+                "spec_verify_ct, though every token after the first needs a verify round: "
+                "a server that does not decode with the draft, or does not report its rounds")
+    if records and not any(r.spec_verify_ct for r in records):
+        return (f"no verify rounds: the {len(records)} answers hold one token each (raise "
+                "--max-new-tokens)")
+    return None
+
+
+def summarize_level(records: list[RequestRecord], wall_s: float, failed: int = 0,
+                    speculative: bool = False) -> dict:
     """The figures of one level (definitions in the module docstring), over its good records;
-    `failed`: requests of the level that failed for good (in no figure)."""
+    `failed`: requests of the level that failed for good (in no figure); `speculative`: the
+    server decodes with a draft (its acceptance, or the reason it has none)."""
     tokens = sum(r.completion_tokens for r in records)
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     verified = [r for r in records if r.spec_verify_ct]
     verify_ct = sum(r.spec_verify_ct for r in verified)
+    error = acceptance_error(records) if speculative else None
     return {
         "requests": len(records),
         "failed_requests": failed,
@@ -205,11 +230,13 @@ def summarize_level(records: list[RequestRecord], wall_s: float, failed: int = 0
         "ttft_p90_s": percentile(ttfts, 90),
         "latency_mean_s": sum(r.latency_s for r in records) / max(len(records), 1),
         "acceptance_length": (sum(r.completion_tokens for r in verified) / verify_ct
-                              if verify_ct else None),
+                              if verify_ct and error is None else None),
+        "acceptance_error": error,
         "spec_verify_ct": verify_ct,
         "requests_without_verify_ct": len(records) - len(verified),
         "cached_tokens": sum(r.cached_tokens for r in records),
         "loop_share": loop_stats([r.output_ids for r in records]).share,
+        "outputs": {r.prompt_index: r.output_ids for r in records},  # for check_lossless
     }
 
 
@@ -236,7 +263,7 @@ def measure_levels(base_url: str, role: str, prompt_sets: list[PromptSet],
                 records, wall = await run_level(base_url, ps.prompts, c, load,
                                                 f"{role}-{ps.name}-c{c}", bar, send=send,
                                                 failed=failed, stop=stop)
-                summary = summarize_level(records, wall, len(failed))  # loop share included
+                summary = summarize_level(records, wall, len(failed), load.speculative)
                 if probe is not None:
                     summary.update(await probe.after(before, records, len(failed)))
                 out[ps.name][str(c)] = summary
@@ -325,6 +352,30 @@ def brief_level(s: dict) -> str:
             + (f", acceptance {acc:.3f} (loop share {s['loop_share']:.0%})"
                if acc is not None else "")
             + (f", {failed} requests FAILED (not counted)" if failed else ""))
+
+
+def check_lossless(measured: dict, temperature: float) -> tuple[int | None, list[str]]:
+    """At temperature 0, the prompts (per set and level) whose speculative output differs from
+    the baseline's: each level's count as its speculative summary's `lossless_mismatches`;
+    (the total, its preflight note). A prompt whose request failed on either server is not
+    compared; None above temperature 0 (sampling). Every summary's outputs become a list in
+    prompt order."""
+    total = None
+    if temperature == 0:
+        total = 0
+        for name, levels in measured["speculative"].items():
+            for c, spec in levels.items():
+                base = measured["baseline"][name][c]["outputs"]
+                bad = sum(1 for p, ids in spec["outputs"].items() if p in base and base[p] != ids)
+                spec["lossless_mismatches"] = bad
+                total += bad
+    for levels in measured.values():
+        for summary in levels.values():
+            for s in summary.values():
+                s["outputs"] = [s["outputs"][p] for p in sorted(s["outputs"])]
+    notes = [f"error: {total} speculative outputs differ from the baseline's at temperature 0: "
+             "the speculative server does not decode losslessly (see report.md)"] if total else []
+    return total, notes
 
 
 def combine(baseline: dict, speculative: dict) -> dict:

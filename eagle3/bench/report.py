@@ -9,8 +9,9 @@ one row per chain length (acceptance length, loop share, loop-free acceptance, .
 of the acceptance length against the chain length.
 
 A run with faults says so: the prompt-set lines skipped (skipped.jsonl), the requests that failed
-for good per level (failed_requests.jsonl; in no figure), a level whose acceptance could not be
-read ("-", with the reason), and a run stopped by a signal is titled PARTIAL.
+for good per level (failed_requests.jsonl; in no figure), a level whose acceptance cannot be
+figured ("-", with the reason: `acceptance_error`), a level whose speculative outputs differ from
+the baseline's at temperature 0 (NOT lossless), and a run stopped by a signal is titled PARTIAL.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _sglang_markdown(results: dict) -> str:
         if info.get("layers"):
             lines.append(f"- served draft reads: {info['layers']}")
     lines += [f"- sampling: {results.get('sampling_params')}, streaming: "
-              f"{results.get('stream')}", ""]
+              f"{results.get('stream')}", _lossless_line(results), ""]
     for name, levels in results["prompt_sets"].items():
         lines += [f"## {name} ({results.get('prompts', {}).get(name, '?')} prompts)", "",
                   "| concurrency | acceptance length | loop share | speedup | spec tok/s | "
@@ -117,8 +118,7 @@ def _vllm_markdown(results: dict) -> str:
         lines.append(f"- {role} server: {info.get('url')} ({info.get('speculative') or 'no draft'}"
                      f"; captures {info.get('layers') or '-'})")
     lines += [f"- sampling: {results.get('sampling_params')}, streaming: {results.get('stream')}",
-              f"- speculative outputs differing from plain ones (temperature 0): "
-              f"{results.get('lossless_mismatches', '-')}", ""]
+              _lossless_line(results), ""]
     for name, levels in results["prompt_sets"].items():
         lines += [f"## {name} ({results.get('prompts', {}).get(name, '?')} prompts)", "",
                   "| concurrency | acceptance length | tokens/round | per-position | loop share | "
@@ -138,8 +138,17 @@ def _vllm_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _lossless_line(results: dict) -> str:
+    """The server backends' lossless check (speculative outputs against the baseline's)."""
+    n = results.get("lossless_mismatches")
+    verdict = ("n/a (sampling)" if n is None else "0 (lossless)" if n == 0
+               else f"**{n} (NOT lossless: the figures are not those of a correct server)**")
+    return f"- speculative outputs differing from the baseline's (temperature 0): {verdict}"
+
+
 def _fault_notes(levels: dict) -> list[str]:
-    """Lines under a table: requests that failed for good, acceptance that could not be read."""
+    """Lines under a table: requests that failed for good, acceptance that cannot be figured,
+    outputs that are not lossless."""
     notes = []
     for c, row in levels.items():
         for role in ("baseline", "speculative"):
@@ -147,8 +156,11 @@ def _fault_notes(levels: dict) -> list[str]:
             if s.get("failed_requests"):
                 notes.append(f"- c={c} {role}: {s['failed_requests']} requests FAILED, left out "
                              "of every figure (failed_requests.jsonl)")
-            if s.get("metrics_error"):
-                notes.append(f"- c={c} {role}: acceptance not read: {s['metrics_error']}")
+            if s.get("acceptance_error"):
+                notes.append(f"- c={c} {role}: acceptance \"-\": {s['acceptance_error']}")
+            if s.get("lossless_mismatches"):
+                notes.append(f"- c={c} {role}: {s['lossless_mismatches']} outputs differ from "
+                             "the baseline's at temperature 0 (NOT lossless)")
     return [""] + notes if notes else []
 
 
@@ -203,7 +215,7 @@ def summary_rows(results: dict) -> tuple[dict, dict, bool]:
                     f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), {loop_note(m)}, "
                     f"lossless: {lossless}")
             continue
-        ok &= not results.get("lossless_mismatches")  # vLLM: speculative == plain at T=0
+        ok &= not results.get("lossless_mismatches")  # speculative == baseline at T=0
         for c, row in r.items():
             acc = row["speculative"]["acceptance_length"]
             outputs[f"{name} c={c}"] = acc
@@ -211,10 +223,15 @@ def summary_rows(results: dict) -> tuple[dict, dict, bool]:
             loops = row["speculative"].get("loop_share")
             failed = sum((row.get(role) or {}).get("failed_requests", 0)
                          for role in ("baseline", "speculative"))
+            spec = row["speculative"]
             rows[f"{name} c={c}"] = (f"acceptance {_f(acc, '.3f')} (loop share "
                                      f"{_f(loops, '.0%')}), speedup "
                                      f"{row['speedup'] or 0:.2f}x{slower}"
-                                     + (f", {failed} requests FAILED" if failed else ""))
+                                     + (f", {failed} requests FAILED" if failed else "")
+                                     + (f", {spec['lossless_mismatches']} outputs NOT lossless"
+                                        if spec.get("lossless_mismatches") else "")
+                                     + (f" (acceptance: {spec['acceptance_error']})"
+                                        if spec.get("acceptance_error") else ""))
     if results.get("failed_requests"):  # figures over the good requests only: look first
         ok = False
         rows["failed requests"] = (f"{results['failed_requests']} (left out of every figure; "

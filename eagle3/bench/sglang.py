@@ -11,7 +11,6 @@ which serves garbage silently, is refused.
 from __future__ import annotations
 
 import asyncio
-import json
 import shlex
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from eagle3.bench.measure import (
     ROLES,
     LoadSettings,
     attached_or_launched,
+    check_lossless,
     combine,
     measure_levels,
     measure_roles,
@@ -35,10 +35,11 @@ from eagle3.bench.preflight import (
     check_streaming,
 )
 from eagle3.bench.prompts import PromptSet
+from eagle3.bench.sse import SSEError, json_chunk, message_data
 from eagle3.core.launcher import sglang_command
 from eagle3.core.preflight import PreflightError, raise_on_errors
 from eagle3.core.progress import format_summary
-from eagle3.core.server import TransientError, get_server_info
+from eagle3.core.server import NotJSONError, TransientError, get_server_info, json_object
 from eagle3.core.stage import STAGE_DIRS
 from eagle3.draft.check import check_draft_for_run, read_draft_config
 
@@ -90,16 +91,30 @@ def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_
             info = asyncio.run(_server_infos({role: url}))[role]
             server = _check_server(role, info, url, cfg, draft_dir)
             load.incremental_stream = bool(info.get("incremental_streaming_output"))
+            load.speculative = role == "speculative"
+            load.round_tokens = round_tokens(info) if load.speculative else None
             return server, measure_server(url, role, sets, cfg.concurrency, load, bar=bar,
                                           **sinks)
 
     measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role, stop)
     pair = check_server_pair(*(servers[r].pop("info") for r in ROLES))
     raise_on_errors(pair, "servers")
-    notes = [n for role in ROLES for n in servers[role].pop("preflight")]
+    mismatches, lossless_notes = check_lossless(measured, cfg.temperature)
+    notes = [n for role in ROLES for n in servers[role].pop("preflight")] + lossless_notes
     return {"preflight": notes + [str(p) for p in pair], "servers": servers,
             "sampling_params": load.sampling_params, "stream": cfg.stream,
+            "lossless_mismatches": mismatches,
             "prompt_sets": combine(measured["baseline"], measured["speculative"])}
+
+
+def round_tokens(info: dict) -> int | None:
+    """The most tokens one verify round of the speculative server commits: its draft steps
+    plus the target's own token (a tree of any width accepts one path); None when its
+    `/server_info` does not say."""
+    steps, tokens = info.get("speculative_num_steps"), info.get("speculative_num_draft_tokens")
+    if type(steps) is int and steps > 0:
+        return steps + 1
+    return tokens if type(tokens) is int and tokens > 0 else None
 
 
 def measure_server(base_url: str, role: str, prompt_sets: list[PromptSet],
@@ -160,32 +175,32 @@ def merge_stream_ids(ids: list[int], chunk_ids: list[int], completion_tokens: in
     return ids + list(chunk_ids)
 
 
+def _answer(chunk: dict) -> tuple[list, dict]:
+    """(output ids, meta_info) of a `/generate` answer or streamed chunk; SSEError when they
+    are not a list and an object (a null meta_info is none)."""
+    ids, meta = chunk.get("output_ids") or [], chunk.get("meta_info") or {}
+    if not isinstance(ids, list) or not isinstance(meta, dict):
+        raise SSEError(f"an answer whose output_ids or meta_info is not a list and an object: "
+                       f"{str(chunk)[:200]}")
+    return ids, meta
+
+
 async def _read_stream(resp, incremental: bool, t0: float) -> tuple[list[int], dict, float | None]:
-    """(output ids, last meta_info, TTFT) of an SSE answer. Cumulative chunks are parsed only
-    first and last (a long output re-sends every id in every chunk)."""
-    buf, first_at, ids, meta, last_raw = b"", None, [], {}, None
-    async for piece in resp.content.iter_any():
-        buf += piece
-        *events, buf = buf.split(b"\n\n")
-        for event in events:
-            data = event.strip()[len(b"data:"):].strip() if event.strip() else b""
-            if not data or data == b"[DONE]":
-                continue
-            if first_at is None:
-                first_at = time.perf_counter() - t0
-            if incremental or last_raw is None or b'"error"' in data[:20]:
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise TransientError(f"streamed error: {chunk['error']}")
-                meta = chunk.get("meta_info", {})
-                ids = merge_stream_ids(ids, chunk.get("output_ids") or [],
-                                       meta.get("completion_tokens"))
-            last_raw = data
-    if not incremental and last_raw is not None:
-        chunk = json.loads(last_raw)
-        meta = chunk.get("meta_info", {})
-        ids = list(chunk.get("output_ids") or [])
-    return ids, meta, first_at
+    """(output ids, last meta_info, TTFT) of an SSE answer (eagle3/bench/sse.py). Cumulative
+    chunks are parsed only first and last (a long output re-sends every id in every chunk)."""
+    first_at, ids, meta, last = None, [], {}, None
+    async for data in message_data(resp.content):
+        if first_at is None:
+            first_at = time.perf_counter() - t0
+        if incremental or last is None or '"error"' in data[:20]:
+            chunk_ids, meta = _answer(json_chunk(data))
+            completion = meta.get("completion_tokens")
+            ids = merge_stream_ids(ids, chunk_ids, completion if type(completion) is int
+                                   else None)
+        last = data
+    if not incremental and last is not None:
+        ids, meta = _answer(json_chunk(last))
+    return list(ids), meta, first_at
 
 
 async def send_request(session: aiohttp.ClientSession, base_url: str, input_ids: list[int],
@@ -195,17 +210,17 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, input_ids:
     connection, unparsable answer) or ServerError (other HTTP errors: not retried)."""
     payload = {"input_ids": input_ids, "rid": rid, "sampling_params": load.sampling_params,
                "stream": load.stream}
+    url = base_url.rstrip("/") + "/generate"
     t0 = time.perf_counter()
     try:
-        async with session.post(base_url.rstrip("/") + "/generate", json=payload,
+        async with session.post(url, json=payload,
                                 timeout=aiohttp.ClientTimeout(total=load.timeout_s)) as resp:
             await raise_for_status(resp, base_url, rid)
             if load.stream:
                 ids, meta, ttft = await _read_stream(resp, load.incremental_stream, t0)
             else:
-                body = await resp.json(content_type=None)
-                ids, meta, ttft = body.get("output_ids") or [], body.get("meta_info", {}), None
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
+                body = json_object(await resp.read(), resp.headers.get("Content-Type"), url)
+                (ids, meta), ttft = _answer(body), None
+    except (aiohttp.ClientError, TimeoutError, ValueError, NotJSONError) as e:
         raise TransientError(f"{base_url}: request {rid} failed: {e!r}") from e
     return ids, meta, ttft, time.perf_counter() - t0
-

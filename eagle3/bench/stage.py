@@ -64,8 +64,12 @@ def draft_dir(cfg: BenchmarkConfig) -> Path:
 
 
 def check_only(cfg: BenchmarkConfig) -> int:
-    """`--check-only`: the backend's preflight alone, printed; 0 ok, 1 refused."""
-    return BACKENDS[cfg.backend].check_only(cfg, draft_dir(cfg))
+    """`--check-only`: the draft's files, then the backend's preflight alone, printed; 0 ok, 1
+    refused (a damaged file or a server that cannot be asked: a StageError, one line)."""
+    draft = draft_dir(cfg)
+    check_draft_files(draft)
+    with as_stage_errors():
+        return BACKENDS[cfg.backend].check_only(cfg, draft)
 
 
 @contextlib.contextmanager

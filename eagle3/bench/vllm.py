@@ -17,9 +17,12 @@ own requests count):
   is cut by `max_tokens` or the end of turn (vLLM counts the drafts accepted there, the output
   drops them) or a step verifies no draft.
 
-A `/metrics` read that fails (HTTP error, garbage, counters gone backwards after a restart) is
-retried like a request, then the level's acceptance figures are None with the reason in
-`metrics_error`: never a figure computed from counters that cannot be trusted.
+A `/metrics` read that fails (HTTP error, garbage, a counter that is NaN, infinite or
+negative) is retried like a request, then the level's acceptance figures are None with the
+reason in `acceptance_error`; so are deltas that cannot be (`check_counters`: counters gone
+backwards after a restart, more accepted than drafted tokens, more than
+`num_speculative_tokens` drafted a round, more rounds than output tokens) and a speculative
+level without any verify round: never a figure computed from counters that cannot be trusted.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import shlex
 import time
@@ -42,14 +46,22 @@ from eagle3.bench.measure import (
     LoadSettings,
     RequestRecord,
     attached_or_launched,
+    check_lossless,
     combine,
     measure_levels,
     measure_roles,
 )
 from eagle3.bench.prompts import PromptSet
+from eagle3.bench.sse import SSEError, json_chunk, message_data
 from eagle3.core.preflight import PreflightError
 from eagle3.core.progress import format_summary
-from eagle3.core.server import TransientError, get_json
+from eagle3.core.server import (
+    NotJSONError,
+    TransientError,
+    get_json,
+    json_object,
+    served_model,
+)
 from eagle3.draft.check_vllm import check_vllm_draft, default_vllm_draft
 
 log = logging.getLogger(__name__)
@@ -114,11 +126,15 @@ class SpecCounters:
 
 
 def parse_spec_metrics(text: str) -> SpecCounters:
-    """SpecCounters from a Prometheus text exposition (`/metrics`), summed over engines."""
+    """SpecCounters from a Prometheus text exposition (`/metrics`), summed over engines;
+    ValueError for a spec-decode counter that is not a finite non-negative number."""
     c = SpecCounters()
     per_pos: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name.startswith("vllm:spec_decode_") and not (
+                    math.isfinite(sample.value) and sample.value >= 0):
+                raise ValueError(f"{sample.name} is {sample.value}: not a count")
             if sample.name == "vllm:spec_decode_num_drafts_total":
                 c.drafts += sample.value
             elif sample.name == "vllm:spec_decode_num_draft_tokens_total":
@@ -145,19 +161,53 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, url: str,
         raise TransientError(f"{url}/metrics: {e!r}") from e
     try:
         return parse_spec_metrics(text)
-    except (ValueError, KeyError) as e:  # not a Prometheus exposition
-        raise TransientError(f"{url}/metrics: not Prometheus text ({e}): {text[:80]!r}") from e
+    except (ValueError, KeyError) as e:  # not a Prometheus exposition, or not counts
+        raise TransientError(f"{url}/metrics: unusable ({e}): {text[:80]!r}") from e
 
 
-def acceptance_figures(delta: SpecCounters | None, records, error: str | None = None) -> dict:
+def check_counters(delta: SpecCounters, records: list[RequestRecord],
+                   num_speculative_tokens: int) -> str | None:
+    """Why the counter deltas of a level cannot be its own (None when they can): gone backwards,
+    more accepted than drafted tokens, more drafted tokens or accepted positions a round than
+    the server's `num_speculative_tokens` K (acceptance above K + 1), more rounds than the
+    level's output tokens (each round commits at least one), or no round at all."""
+    k = num_speculative_tokens
+    if min([delta.drafts, delta.draft_tokens, delta.accepted, *delta.accepted_per_pos]) < 0:
+        return "the spec-decode counters went backwards (a server restart?)"
+    tokens = sum(r.completion_tokens for r in records)
+    if not delta.drafts:
+        return (f"no verify rounds counted over {len(records)} answers ({tokens} tokens): a "
+                "server that does not decode with the draft" if tokens > len(records) else
+                "no verify rounds: every answer holds one token (raise --max-new-tokens)")
+    problems = []
+    if delta.accepted > delta.draft_tokens:
+        problems.append(f"{delta.accepted:g} accepted of {delta.draft_tokens:g} drafted tokens")
+    if delta.draft_tokens > k * delta.drafts or len(delta.accepted_per_pos) > k:
+        problems.append(f"{delta.draft_tokens:g} tokens drafted in {delta.drafts:g} rounds "
+                        f"({len(delta.accepted_per_pos)} positions), more than K = {k} a round")
+    if any(a > delta.drafts for a in delta.accepted_per_pos):
+        problems.append(f"a position accepted in more than the {delta.drafts:g} rounds")
+    if delta.drafts > tokens:
+        problems.append(f"{delta.drafts:g} rounds for {tokens} output tokens")
+    if problems:
+        return ("counters that cannot be this level's (" + "; ".join(problems) + "): another "
+                "client's requests, or a server that miscounts")
+    return None
+
+
+def acceptance_figures(delta: SpecCounters | None, records, error: str | None = None,
+                       num_speculative_tokens: int | None = None) -> dict:
     """The acceptance figures of one level from its counter deltas and its own requests; all
-    None (with `metrics_error`) when the counters could not be read or went backwards."""
-    if delta is not None and min([delta.drafts, delta.accepted, *delta.accepted_per_pos]) < 0:
-        delta, error = None, "the spec-decode counters went backwards (a server restart?)"
+    None (with `acceptance_error`) when the counters could not be read or cannot be the
+    level's (`check_counters`, with the server's `num_speculative_tokens`; None: a plain
+    server, whose counters stand still)."""
+    if delta is not None and num_speculative_tokens is not None:
+        error = check_counters(delta, records, num_speculative_tokens)
+        delta = None if error else delta
     if delta is None:
         return {"acceptance_length": None, "tokens_per_round": None, "drafts": None,
                 "draft_tokens": None, "accepted_tokens": None, "per_position_acceptance": [],
-                "metrics_error": error}
+                "acceptance_error": error}
     committed = sum(r.completion_tokens - 1 for r in records if r.completion_tokens > 0)
     drafts = delta.drafts
     return {
@@ -165,6 +215,7 @@ def acceptance_figures(delta: SpecCounters | None, records, error: str | None = 
         "tokens_per_round": committed / drafts if drafts else None,
         "drafts": drafts, "draft_tokens": delta.draft_tokens, "accepted_tokens": delta.accepted,
         "per_position_acceptance": [a / drafts for a in delta.accepted_per_pos] if drafts else [],
+        "acceptance_error": None,
     }
 
 
@@ -172,8 +223,9 @@ def acceptance_figures(delta: SpecCounters | None, records, error: str | None = 
 
 
 def completion_sender(model: str):
-    """A `send` for eagle3.bench.measure.run_level: one streamed `/v1/completions` request of token ids.
-    Returns (output ids, {"completion_tokens", "prompt_tokens"}, TTFT s, latency s)."""
+    """A `send` for eagle3.bench.measure.run_level: one streamed `/v1/completions` request of
+    token ids. Returns (output ids, {"completion_tokens", "prompt_tokens", "finish_reason"} as the server
+    counted them (None: not reported), TTFT s, latency s)."""
 
     async def send(session, base_url, input_ids, rid, load: LoadSettings):
         """One attempt; TransientError for what is worth retrying (eagle3/bench/faults.py)."""
@@ -183,49 +235,61 @@ def completion_sender(model: str):
                    "return_token_ids": True, "skip_special_tokens": False}
         if load.stream:
             payload["stream_options"] = {"include_usage": True}
+        url = base_url.rstrip("/") + "/v1/completions"
         t0 = time.perf_counter()
         try:
-            async with session.post(base_url.rstrip("/") + "/v1/completions", json=payload,
-                                    headers={"X-Request-Id": rid},
+            async with session.post(url, json=payload, headers={"X-Request-Id": rid},
                                     timeout=aiohttp.ClientTimeout(total=load.timeout_s)) as resp:
                 await raise_for_status(resp, base_url, rid)
                 if load.stream:
                     ids, usage, ttft, finish = await _read_sse(resp, t0)
                 else:
-                    body = await resp.json(content_type=None)
-                    choice = (body.get("choices") or [{}])[0]
-                    ids, usage, ttft = choice.get("token_ids") or [], body.get("usage") or {}, None
-                    finish = choice.get("finish_reason")
-        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
+                    body = json_object(await resp.read(), resp.headers.get("Content-Type"), url)
+                    ids, finish, usage = [], None, _usage(body)
+                    for new, finish in _choices(body):
+                        ids += new
+                    ttft = None
+        except (aiohttp.ClientError, TimeoutError, ValueError, NotJSONError) as e:
             raise TransientError(f"{base_url}: request {rid} failed: {e!r}") from e
-        meta = {"completion_tokens": usage.get("completion_tokens", len(ids)),
-                "prompt_tokens": usage.get("prompt_tokens", len(input_ids)),
-                "finish_reason": finish}
+        meta = {"completion_tokens": usage.get("completion_tokens"),
+                "prompt_tokens": usage.get("prompt_tokens"), "finish_reason": finish}
         return ids, meta, ttft, time.perf_counter() - t0
 
     return send
 
 
+def _choices(chunk: dict) -> list[tuple[list, str | None]]:
+    """(token ids, finish reason) of each choice of a completion or streamed chunk; SSEError
+    for choices that are not a list of objects holding a list of ids."""
+    choices = chunk.get("choices") or []
+    out = []
+    for choice in choices if isinstance(choices, list) else [None]:
+        ids = choice.get("token_ids") or [] if isinstance(choice, dict) else None
+        if not isinstance(ids, list):
+            raise SSEError(f"a completion whose choices are not objects with a token_ids list: "
+                           f"{str(chunk)[:200]}")
+        out.append((ids, choice.get("finish_reason")))
+    return out
+
+
+def _usage(chunk: dict) -> dict:
+    usage = chunk.get("usage") or {}
+    if not isinstance(usage, dict):
+        raise SSEError(f"a completion whose usage is not an object: {str(chunk)[:200]}")
+    return usage
+
+
 async def _read_sse(resp, t0: float) -> tuple[list[int], dict, float | None, str | None]:
-    """(output ids, usage, TTFT, finish reason) of a streamed completion."""
-    buf, ids, usage, first_at, finish = b"", [], {}, None, None
-    async for piece in resp.content.iter_any():
-        buf += piece
-        *events, buf = buf.split(b"\n\n")
-        for event in events:
-            data = event.strip()[len(b"data:"):].strip()
-            if not data or data == b"[DONE]":
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise TransientError(f"streamed error: {chunk['error']}")
-            for choice in chunk.get("choices") or []:
-                finish = choice.get("finish_reason") or finish
-                new = choice.get("token_ids") or []
-                if new and first_at is None:
-                    first_at = time.perf_counter() - t0
-                ids += new
-            usage = chunk.get("usage") or usage
+    """(output ids, usage, TTFT, finish reason) of a streamed completion (eagle3/bench/sse.py)."""
+    ids, usage, first_at, finish = [], {}, None, None
+    async for data in message_data(resp.content):
+        chunk = json_chunk(data)
+        for new, reason in _choices(chunk):
+            finish = reason or finish
+            if new and first_at is None:
+                first_at = time.perf_counter() - t0
+            ids += new
+        usage = _usage(chunk) or usage
     return ids, usage, first_at, finish
 
 
@@ -266,19 +330,11 @@ def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_
                       "layers": check_logged_layers(log_path, check.captures) if spec else None,
                       "speculative": f"eagle3, {cfg.steps[0]} draft tokens" if spec else None}
             return server, measure_vllm_server(url, role, sets, cfg.concurrency, load, model,
-                                               bar=bar, **sinks)
+                                               bar=bar, num_speculative_tokens=(
+                                                   cfg.steps[0] if spec else None), **sinks)
 
     measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role, stop)
-    notes = []
-    mismatches = lossless_mismatches(measured["baseline"], measured["speculative"]) \
-        if cfg.temperature == 0 else None
-    if mismatches:
-        notes.append(f"error: {mismatches} speculative outputs differ from the plain ones at "
-                     "temperature 0")
-    for levels in measured.values():
-        for summary in levels.values():
-            for s in summary.values():
-                s["outputs"] = [s["outputs"][p] for p in sorted(s["outputs"])]
+    mismatches, notes = check_lossless(measured, cfg.temperature)
     return {"servers": servers, "sampling_params": load.sampling_params, "stream": cfg.stream,
             "lossless_mismatches": mismatches, "preflight": notes,
             "prompt_sets": combine(measured["baseline"], measured["speculative"])}
@@ -289,10 +345,12 @@ def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_
 
 class SpecProbe:
     """The acceptance figures of a level: vLLM's counters before and after it (each read
-    retried per `load`), and the outputs by prompt (for the lossless check)."""
+    retried per `load`), checked against the server's `num_speculative_tokens` (None: a plain
+    server)."""
 
-    def __init__(self, url: str, load: LoadSettings | None = None):
-        self.url = url
+    def __init__(self, url: str, load: LoadSettings | None = None,
+                 num_speculative_tokens: int | None = None):
+        self.url, self.num_speculative_tokens = url, num_speculative_tokens
         self.load = load or LoadSettings({}, timeout_s=30.0, retries=0)
 
     async def read(self) -> SpecCounters | str:
@@ -315,35 +373,28 @@ class SpecProbe:
         now = await self.read()
         error = next((x for x in (before, now) if isinstance(x, str)), None)
         delta = None if error else now.minus(before)
-        figures = acceptance_figures(delta, records, error)
         retried = sum(1 for r in records if r.attempts > 1)
-        if (failed or retried) and figures["acceptance_length"] is not None:
-            # The counters are the server's: they hold the rounds of every failed attempt too.
-            figures["acceptance_length_with_failed_attempts"] = figures["acceptance_length"]
-            figures.update(acceptance_length=None, tokens_per_round=None,
-                           metrics_error=f"{failed} failed and {retried} retried requests: the "
-                                         "counters include rounds of answers not measured")
-        return {**figures, "outputs": {r.prompt_index: r.output_ids for r in records}}
+        if delta is None or not (failed or retried):
+            return acceptance_figures(delta, records, error, self.num_speculative_tokens)
+        # The counters are the server's: they hold the rounds of every failed attempt too.
+        figures = acceptance_figures(delta, records)
+        figures["acceptance_length_with_failed_attempts"] = figures["acceptance_length"]
+        figures.update(acceptance_length=None, tokens_per_round=None,
+                       acceptance_error=f"{failed} failed and {retried} retried requests: the "
+                                        "counters include rounds of answers not measured")
+        return figures
 
 
 def measure_vllm_server(url: str, role: str, prompt_sets, concurrencies: list[int],
                         load: LoadSettings, model: str, sink=None, bar=None,
-                        warmup_tokens: int = 16, failed_sink=None, stop=None) -> dict:
-    """{prompt set: {concurrency: summary + acceptance figures}} of one vLLM server."""
+                        warmup_tokens: int = 16, failed_sink=None, stop=None,
+                        num_speculative_tokens: int | None = None) -> dict:
+    """{prompt set: {concurrency: summary + acceptance figures}} of one vLLM server
+    (`num_speculative_tokens`: its K; None for the plain server)."""
     return measure_levels(url, role, prompt_sets, concurrencies, load, completion_sender(model),
-                          sink, bar, warmup_tokens, SpecProbe(url, load),
+                          sink, bar, warmup_tokens,
+                          SpecProbe(url, load, num_speculative_tokens),
                           failed_sink=failed_sink, stop=stop)
-
-
-def lossless_mismatches(baseline: dict, speculative: dict) -> int:
-    """Prompts (per set and level) whose speculative output differs from the plain one; a
-    prompt whose request failed on either server is not compared."""
-    bad = 0
-    for name, levels in speculative.items():
-        for c, spec in levels.items():
-            base = baseline[name][c]["outputs"]
-            bad += sum(1 for p, ids in spec["outputs"].items() if p in base and base[p] != ids)
-    return bad
 
 
 def vllm_server(cfg: BenchmarkConfig, role: str, draft_dir: Path, stage_dir: Path):
@@ -372,7 +423,4 @@ def check_logged_layers(log_path: Path | None, expected: list[int] | None) -> li
 
 async def _served_model(url: str) -> str:
     async with aiohttp.ClientSession() as session:
-        models = await get_json(session, url, READY_PATHS)
-    if not models.get("data"):
-        raise VllmError(f"{url}/v1/models lists no model")
-    return models["data"][0]["id"]
+        return served_model(await get_json(session, url, READY_PATHS), url)

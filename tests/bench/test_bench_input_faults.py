@@ -6,7 +6,8 @@
 | no prompt, empty prompt                           | (--max-bad; past it TooManyBad)            |
 | prompt JSONL with no usable line                  | InputFileError naming the file             |
 | draft: cut model.safetensors, config.json not     | InputFileError naming the file, before any |
-| JSON or lacking keys, d2t of the wrong size       | folder is made or server started           |
+| JSON or lacking keys, d2t of the wrong size, a    | folder is made or server started; with     |
+| NaN in a weight                                   | --check-only one line, exit 1              |
 | ENOSPC writing results / report / plots           | DiskError naming the folder and bytes; no  |
 |                                                   | partial file; a re-run completes           |
 | SIGTERM mid-benchmark                             | partial results.json, exit 143, resume     |
@@ -116,12 +117,22 @@ def _d2t_wrong_size(d: Path) -> None:
     save_file(tensors, d / "model.safetensors")
 
 
-@pytest.mark.parametrize("damage,file,problem", [
-    (_cut_safetensors, "model.safetensors", "truncated"),
-    (_config_not_json, "config.json", "not valid JSON"),
-    (_config_without_key, "config.json", "lacks ['draft_vocab_size']"),
-    (_d2t_wrong_size, "model.safetensors", "d2t has shape"),
-])
+def _nan_weight(d: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    tensors["fc.weight"][3, 5] = float("nan")
+    save_file(tensors, d / "model.safetensors")
+
+
+DAMAGES = [(_cut_safetensors, "model.safetensors", "truncated"),
+           (_config_not_json, "config.json", "not valid JSON"),
+           (_config_without_key, "config.json", "lacks ['draft_vocab_size']"),
+           (_d2t_wrong_size, "model.safetensors", "d2t has shape"),
+           (_nan_weight, "model.safetensors", "weight fc.weight [64, 192] holds 1 NaN/Inf")]
+
+
+@pytest.mark.parametrize("damage,file,problem", DAMAGES)
 def test_benchmark_refuses_a_damaged_draft_file_before_starting_anything(
         tmp_path, tiny_target_dir, tiny_draft, damage, file, problem):
     bad = Path(shutil.copytree(tiny_draft, tmp_path / "bad"))
@@ -131,6 +142,22 @@ def test_benchmark_refuses_a_damaged_draft_file_before_starting_anything(
         _bench(argv)
     assert e.value.path == str(bad / file) and problem in e.value.problem
     assert not (tmp_path / "05_benchmark").exists()
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+@pytest.mark.parametrize("damage,file,problem", DAMAGES)
+def test_check_only_refuses_a_damaged_draft_file_in_one_line(
+        tmp_path, tiny_target_dir, tiny_draft, damage, file, problem, backend, capsys):
+    from eagle3.core.faults import script_main
+
+    bad = Path(shutil.copytree(tiny_draft, tmp_path / "bad"))
+    damage(bad)
+    argv = ["--check-only", "--backend", backend, "--workdir", str(tmp_path), "--target",
+            str(tiny_target_dir), "--draft", str(bad), "--steps", "3"]
+    assert script_main(lambda: _bench(argv), "05") == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"05: error: {bad / file}: " in err and problem in err
 
 
 # ---------------------------------------------------------------- a full disk

@@ -1,14 +1,21 @@
 """Stage 05 against servers that misbehave on cue (tests/bench_fake_server.py): each fault kind
 ends in a retry that recovers, or in a failure line for that prompt that no figure counts;
-never a hang, never a cut answer measured as good.
+never a hang, never a cut answer measured as good, never a figure that cannot be.
 
-| fault (FAULTS)              | once (transient)       | every time (one prompt)                  |
-|-----------------------------|------------------------|------------------------------------------|
-| http500, hang, drop, eof,   | retried, figures exact | failed_requests.jsonl, counted, left out |
-| count, short                |                        | of tokens/s and acceptance               |
-| /metrics garbage or missing | -                      | vLLM acceptance None with the reason     |
-| server never ready          | -                      | BenchmarkError after --ready-timeout-s   |
-| server down                 | -                      | BenchmarkError naming the URL            |
+| fault (FAULTS, LIES)              | once (transient)  | every time                             |
+|-----------------------------------|-------------------|----------------------------------------|
+| http500, hang, drop, eof, count,  | retried, figures  | failed_requests.jsonl, counted, left   |
+| short; overlong, prompt_count,    | exact             | out of tokens/s and acceptance         |
+| verify_excess/few/negative        |                   |                                        |
+| legal SSE (CRLF, comments, ...),  | -                 | measured as the plain answers          |
+| null optional counts              |                   |                                        |
+| no verify rounds reported         | -                 | acceptance "-" with the reason         |
+| outputs != baseline's at T = 0    | -                 | lossless_mismatches, flagged, exit 1   |
+| /metrics garbage, missing, NaN,   | -                 | vLLM acceptance "-" with the reason    |
+| or counts that cannot be          |                   |                                        |
+| /server_info a web page           | -                 | one line, exit 1 (also --check-only)   |
+| server never ready                | -                 | BenchmarkError after --ready-timeout-s |
+| server down                       | -                 | BenchmarkError naming the URL          |
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ import pytest
 from bench_fake_server import FAULTS, FakeBenchServer
 from bench_helpers import fake_sglang_shim, free_port, make_tiny_draft, port_is_open
 
-from eagle3.bench.faults import BadAnswer, BenchmarkError, check_answer
+from eagle3.bench.faults import (
+    AnswerCounts,
+    AnswerLimits,
+    BadAnswer,
+    BenchmarkError,
+    check_answer,
+)
 from eagle3.bench.measure import LoadSettings
 from eagle3.bench.prompts import PromptSet
 from eagle3.bench.sglang import measure_server
@@ -48,14 +61,42 @@ def _load(retries: int = 2, timeout_s: float = 5.0, stream: bool = True) -> Load
 
 
 def test_check_answer_refuses_miscounted_cut_and_aborted_answers():
-    check_answer([1, 2], {"completion_tokens": 2, "finish_reason": {"type": "stop"}}, 8, "r")
-    check_answer([1] * 8, {"completion_tokens": 8, "finish_reason": None}, 8, "r")  # all asked
+    limits = AnswerLimits(max_new_tokens=8, prompt_tokens=3)
+    check_answer([1, 2], {"completion_tokens": 2, "finish_reason": {"type": "stop"}}, limits, "r")
+    check_answer([1] * 8, {"completion_tokens": 8, "finish_reason": None}, limits, "r")
     for ids, meta, match in (
             ([1, 2], {"completion_tokens": 5}, "completion_tokens 5 but 2"),
             ([1, 2], {"completion_tokens": 2, "finish_reason": None}, "answer was cut"),
             ([1], {"finish_reason": {"type": "abort", "message": "x"}}, "aborted")):
         with pytest.raises(BadAnswer, match=match):
-            check_answer(ids, meta, 8, "r")
+            check_answer(ids, meta, limits, "r")
+
+
+STOP = {"finish_reason": {"type": "stop"}}
+
+
+def test_check_answer_refuses_every_count_that_cannot_be_and_reads_null_as_not_reported():
+    limits = AnswerLimits(max_new_tokens=8, prompt_tokens=3, round_tokens=4)  # 3 steps
+    counts = check_answer([1] * 8, {**STOP, "completion_tokens": None, "prompt_tokens": None,
+                                    "cached_tokens": None, "spec_verify_ct": None}, limits, "r")
+    assert counts == AnswerCounts(8, 3, 0, None)
+    assert check_answer([1] * 8, {**STOP, "spec_verify_ct": 2}, limits, "r").spec_verify_ct == 2
+    check_answer([1] * 8, {**STOP, "spec_verify_ct": 8}, limits, "r")  # 1 token a round
+    for ids, meta, match in (
+            ([1] * 9, {}, "9 tokens, more than max_new_tokens 8"),
+            ([1, -2], {}, "not token ids"), ([1, 2.0], {}, "not token ids"),
+            ([1], {"prompt_tokens": 4}, "counted 4 prompt tokens, 3 were sent"),
+            ([1], {"cached_tokens": 4}, "cached_tokens 4 of a 3-token prompt"),
+            ([1], {"completion_tokens": True}, "completion_tokens is True, not a count"),
+            ([1], {"cached_tokens": "0"}, "cached_tokens is '0', not a count"),
+            ([1] * 8, {"spec_verify_ct": -1}, "spec_verify_ct is -1, not a count"),
+            ([1] * 8, {"spec_verify_ct": 2.5}, "spec_verify_ct is 2.5, not a count"),
+            ([1] * 4, {"spec_verify_ct": 5}, "5 for 4 tokens: more verify rounds than tokens"),
+            ([1] * 8, {"spec_verify_ct": 1}, "8 tokens in 1 verify rounds: more than 4")):
+        with pytest.raises(BadAnswer, match=match):
+            check_answer(ids, {**STOP, **meta}, limits, "r")
+    with pytest.raises(BadAnswer, match="meta_info is None"):
+        check_answer([1], None, limits, "r")
 
 
 def test_measure_server_retries_each_transient_fault_and_measures_exactly():
@@ -99,20 +140,26 @@ def test_measure_server_gives_up_a_level_when_every_request_fails():
     assert any(line["attempts"] == 0 for line in failed) or len(failed) == 4
 
 
-def test_vllm_acceptance_from_metrics_equals_the_scripted_rounds():
-    with FakeBenchServer(SPEC_INFO, tokens_per_verify=3, step_s=0.0) as url:
-        s = measure_vllm_server(url, "speculative", [PROMPTS], [1], _load(), "fake")["toy"]["1"]
+@pytest.mark.parametrize("dialect", [{}, {"sse_dialect": "legal"}, {"once": ["nulls"] * 50}],
+                         ids=["plain", "legal SSE", "null counts"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_vllm_acceptance_from_metrics_equals_the_scripted_rounds(dialect, stream):
+    with FakeBenchServer(SPEC_INFO, tokens_per_verify=3, step_s=0.0, **dialect) as url:
+        s = measure_vllm_server(url, "speculative", [PROMPTS], [1], _load(stream=stream),
+                                "fake")["toy"]["1"]
+    assert s["failed_requests"] == 0 and s["completion_tokens"] == 5 + 6 + 7 + 8
     assert s["acceptance_length"] == pytest.approx((4 + 5 + 6 + 7) / (2 + 2 + 2 + 3))
-    assert s.get("metrics_error") is None
+    assert s.get("acceptance_error") is None
 
 
-@pytest.mark.parametrize("fault,reason", [("garbage", "not Prometheus"), ("missing", "404")])
+@pytest.mark.parametrize("fault,reason", [("garbage", "unusable"), ("missing", "404"),
+                                          ("nan", "accepted_tokens_total is nan: not a count")])
 def test_vllm_acceptance_is_left_out_when_metrics_are_garbage_or_missing(fault, reason):
     with FakeBenchServer(SPEC_INFO, tokens_per_verify=3, step_s=0.0,
                          metrics_fault=fault) as url:
         s = measure_vllm_server(url, "speculative", [PROMPTS], [1], _load(1), "fake")["toy"]["1"]
     assert s["acceptance_length"] is None and s["tokens_per_round"] is None
-    assert reason in s["metrics_error"]
+    assert reason in s["acceptance_error"]
     assert s["requests"] == 4 and s["total_tok_s"] > 0  # the speed is still measured
 
 
@@ -123,7 +170,29 @@ def test_vllm_a_failed_prompt_leaves_the_servers_counters_unused(kind):
         s = measure_vllm_server(url, "speculative", [PROMPTS], [1], _load(1), "fake",
                                 failed_sink=failed)["toy"]["1"]
     assert s["failed_requests"] == 1 and len(failed) == 1
-    assert s["acceptance_length"] is None and "1 failed" in s["metrics_error"]
+    assert s["acceptance_length"] is None and "1 failed" in s["acceptance_error"]
+
+
+@pytest.mark.parametrize("k,reason", [
+    (3, "counters that cannot be this level's (36 accepted of 27 drafted tokens"),
+    (1, "more than K = 1 a round"),
+])
+def test_vllm_acceptance_is_left_out_when_the_counters_cannot_be_the_levels(k, reason):
+    # 9 rounds of 3 drafted tokens; "inflated": each accepts 4 of them. K = 1: 3 drafted a round
+    # by a server said to draft 1
+    with FakeBenchServer(SPEC_INFO, tokens_per_verify=3, step_s=0.0,
+                         metrics_fault="inflated" if k == 3 else None) as url:
+        s = measure_vllm_server(url, "speculative", [PROMPTS], [1], _load(), "fake",
+                                num_speculative_tokens=k)["toy"]["1"]
+    assert s["acceptance_length"] is None and reason in s["acceptance_error"]
+
+
+def test_vllm_acceptance_names_the_reason_when_a_speculative_server_counts_no_rounds():
+    with FakeBenchServer(SPEC_INFO, tokens_per_verify=None, step_s=0.0) as url:
+        s = measure_vllm_server(url, "speculative", [PROMPTS], [1], _load(), "fake",
+                                num_speculative_tokens=3)["toy"]["1"]
+    assert s["acceptance_length"] is None and s["requests"] == 4
+    assert "no verify rounds counted over 4 answers" in s["acceptance_error"]
 
 
 # ---------------------------------------------------------------- 05_benchmark.py end to end
@@ -190,3 +259,98 @@ def test_benchmark_gives_up_on_a_launched_server_that_never_gets_ready(
                      "--ready-timeout-s", "2"))
     assert time.monotonic() - t0 < 30
     assert not port_is_open(port)  # the server 05 started is stopped
+
+
+# ---------------------------------------------------------------- servers that lie
+
+
+def _pair(tmp_path, target, draft, capsys, base: dict | None = None, spec: dict | None = None,
+          extra: tuple[str, ...] = ()) -> tuple[int, dict | None, str, str]:
+    """05 through its entry point against a baseline and a speculative fake server (`base`,
+    `spec`: their FakeBenchServer arguments): (exit code, results.json, report.md, stderr)."""
+    from eagle3.core.faults import script_main
+
+    spec = {"tokens_per_verify": 3, **(spec or {})}
+    with FakeBenchServer({}, step_s=0.0, **(base or {})) as b, \
+            FakeBenchServer(SPEC_INFO, step_s=0.0, **spec) as s:
+        capsys.readouterr()
+        rc = script_main(lambda: _bench(_argv(tmp_path, target, draft, "--baseline-url", b,
+                                              "--spec-url", s, *extra)), "05")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    out = tmp_path / "05_benchmark"
+    results = json.loads((out / "results.json").read_text()) \
+        if (out / "results.json").exists() else None
+    report = (out / "report.md").read_text() if (out / "report.md").exists() else ""
+    return rc, results, report, err
+
+
+EVERY = 50  # cue a kind on this many requests in a row: every request of a run
+
+
+@pytest.mark.parametrize("lie,words", [("overlong", "19 tokens, more than max_new_tokens 16"),
+                                       ("prompt_count", "prompt tokens"),
+                                       ("verify_excess", "more verify rounds than tokens"),
+                                       ("verify_few", "more than 4 (steps + 1) a round"),
+                                       ("verify_negative", "spec_verify_ct is -1")])
+def test_benchmark_fails_every_answer_whose_counts_cannot_be(
+        tmp_path, tiny_target_dir, tiny_draft, capsys, lie, words):
+    rc, results, report, _ = _pair(tmp_path, tiny_target_dir, tiny_draft, capsys,
+                                   spec={"once": [lie] * EVERY})
+    assert rc == 1
+    spec = results["prompt_sets"]["math"]["1"]["speculative"]
+    assert spec["failed_requests"] == 3 and spec["requests"] == 0
+    assert spec["acceptance_length"] is None
+    failed = [json.loads(x) for x in
+              (tmp_path / "05_benchmark/failed_requests.jsonl").read_text().splitlines()]
+    assert len(failed) == 3 and all(words in f["reason"] for f in failed), failed[0]["reason"]
+
+
+def test_benchmark_shows_acceptance_as_dash_with_the_reason_when_no_round_is_reported(
+        tmp_path, tiny_target_dir, tiny_draft, capsys):
+    rc, results, report, _ = _pair(tmp_path, tiny_target_dir, tiny_draft, capsys,
+                                   spec={"tokens_per_verify": None})
+    spec = results["prompt_sets"]["math"]["1"]["speculative"]
+    assert spec["acceptance_length"] is None and spec["requests"] == 3
+    assert "3 of 3 answers of 2 or more tokens report no spec_verify_ct" in \
+        spec["acceptance_error"]
+    assert 'acceptance "-": 3 of 3 answers' in report
+
+
+def test_benchmark_flags_a_speculative_server_whose_outputs_are_not_the_baselines(
+        tmp_path, tiny_target_dir, tiny_draft, capsys):
+    rc, results, report, _ = _pair(tmp_path, tiny_target_dir, tiny_draft, capsys,
+                                   spec={"lossy": True})
+    assert rc == 1
+    assert results["lossless_mismatches"] == 3
+    assert results["prompt_sets"]["math"]["1"]["speculative"]["lossless_mismatches"] == 3
+    assert "3 (NOT lossless" in report and "3 outputs differ from the baseline's" in report
+    assert any("not decode losslessly" in p for p in results["preflight"])
+
+
+@pytest.mark.parametrize("dialect", [{"sse_dialect": "legal"}, {"once": ["nulls"] * EVERY}])
+def test_benchmark_measures_every_answer_in_a_legal_dialect(
+        tmp_path, tiny_target_dir, tiny_draft, capsys, dialect):
+    # CRLF, comments, retry and id fields, a ping event, JSON over two data lines; or every
+    # optional count null: each answer measured as the plain one would be
+    rc, results, report, _ = _pair(tmp_path, tiny_target_dir, tiny_draft, capsys,
+                                   base=dialect, spec=dialect)
+    assert rc == 0, report
+    row = results["prompt_sets"]["math"]["1"]
+    assert row["baseline"]["failed_requests"] == row["speculative"]["failed_requests"] == 0
+    # 16 tokens each (the prompts are longer than 14): the prefill's, then 5 rounds of 3
+    assert row["speculative"]["acceptance_length"] == pytest.approx(16 / 5)
+    assert row["speculative"]["completion_tokens"] == 3 * 16
+    assert results["lossless_mismatches"] == 0
+
+
+@pytest.mark.parametrize("check_only", [False, True])
+def test_benchmark_ends_in_one_line_when_server_info_is_a_web_page(
+        tmp_path, tiny_target_dir, tiny_draft, capsys, check_only):
+    extra = ("--check-only",) if check_only else ()
+    rc, _, _, err = _pair(tmp_path, tiny_target_dir, tiny_draft, capsys,
+                          spec={"html_paths": ("/server_info",)}, extra=extra)
+    assert rc == 1
+    (line,) = [x for x in err.splitlines() if x.startswith("05: ")]
+    assert line.startswith("05: error: ")
+    assert "/server_info answered HTTP 200 with an HTML page" in line

@@ -147,9 +147,30 @@ def test_05_vllm_check_only_serves_an_mla_run_from_final(tmp_path, monkeypatch, 
     bench = importlib.import_module("05_benchmark")
     _write_04_manifest(tmp_path, {"draft_arch": "mla"})
     (tmp_path / "target").mkdir()
+    (tmp_path / "04_train" / "final").mkdir()  # its files: checked first, none to damage
     seen = []
     monkeypatch.setattr(vllm, "check_vllm_draft",
                         lambda draft, target, workdir: seen.append(draft) or ([], "-", None))
     assert bench.main(["--workdir", str(tmp_path), "--target", str(tmp_path / "target"),
                        "--backend", "vllm", "--steps", "3", "--check-only"]) == 0
     assert seen == [tmp_path / "04_train" / "final"]
+
+
+def test_check_counters_refuses_deltas_that_cannot_be_the_levels():
+    from eagle3.bench.vllm import check_counters
+
+    class R:
+        def __init__(self, n):
+            self.completion_tokens = n
+
+    records = [R(10), R(10)]  # 20 output tokens
+    assert check_counters(SpecCounters(6, 18, 12, [6, 4, 2]), records, 3) is None
+    for delta, k, words in (
+            (SpecCounters(6, 18, -1, [6, 4, 2]), 3, "went backwards"),
+            (SpecCounters(6, 18, 19, [6, 6, 6]), 3, "19 accepted of 18 drafted tokens"),
+            (SpecCounters(6, 18, 12, [6, 4, 2]), 2, "more than K = 2 a round"),
+            (SpecCounters(6, 18, 12, [7, 3, 2]), 3, "a position accepted in more than the 6"),
+            (SpecCounters(21, 63, 12, [6, 4, 2]), 3, "21 rounds for 20 output tokens"),
+            (SpecCounters(0, 0, 0, []), 3, "no verify rounds counted over 2 answers")):
+        assert words in check_counters(delta, records, k)
+    assert "every answer holds one token" in check_counters(SpecCounters(), [R(1)], 3)
