@@ -10,7 +10,8 @@ SGLang answers `meta_info.finish_reason` as a dict, `{"type": "stop", "matched":
 An answer that contradicts itself is retried (BadAnswer) and never becomes a record: output ids
 that are not token ids, a count that differs from `completion_tokens`, exceeds `max_new_tokens`
 or falls short of the `length` the reply was cut at, an empty reply, a body without the API's
-fields. The openai backend likewise retries a reply without a finish reason (cut or aborted)
+fields (a `prompt_tokens` that is not a count is none; a null `completion_tokens` is not
+reported, not a contradiction). The openai backend likewise retries a reply without a finish reason (cut or aborted)
 and a `usage.completion_tokens` over `max_tokens`.
 
 `openai` (`/v1/chat/completions`): we send the prompt messages and tools with the template
@@ -91,9 +92,9 @@ class SGLangBackend:
         for an answer that contradicts itself, RecordFailure for one that is final."""
         meta, output = answer.get("meta_info"), answer.get("output_ids")
         if not isinstance(meta, dict) or not isinstance(output, list) \
-                or "prompt_tokens" not in meta:
+                or type(meta.get("prompt_tokens")) is not int:
             raise BadAnswer(f"malformed answer: no output_ids list or meta_info.prompt_tokens "
-                            f"({str(answer)[:200]})")
+                            f"count ({str(answer)[:200]})")
         if meta["prompt_tokens"] != len(job.prompt_ids):
             raise RecordFailure(f"prompt truncated: the server saw {meta['prompt_tokens']} "
                                 f"prompt tokens, {len(job.prompt_ids)} were sent (do not start "
@@ -135,9 +136,10 @@ def check_output_ids(job: GenerationJob, output: list, meta: dict, reason) -> No
     if not all(type(t) is int and t >= 0 for t in output):
         raise BadAnswer(f"output_ids holds values that are not token ids: {str(output)[:200]}")
     n = len(output)
-    if meta.get("completion_tokens", n) != n:
+    counted = meta.get("completion_tokens")  # null: not reported
+    if counted is not None and (type(counted) is not int or counted != n):
         raise BadAnswer(f"wrong token count: the answer holds {n} output ids but "
-                        f"completion_tokens is {meta['completion_tokens']}")
+                        f"completion_tokens is {counted!r}")
     if n > job.max_new_tokens:
         raise BadAnswer(f"wrong token count: {n} output ids, more than max_new_tokens "
                         f"{job.max_new_tokens}")

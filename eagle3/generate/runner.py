@@ -40,8 +40,10 @@ from eagle3.core.server import (
     TransientError,
     get_json,
     make_session,
+    served_model,
     wait_ready,
 )
+from eagle3.core.stage import StageError
 from eagle3.generate.backends import RecordFailure
 from eagle3.generate.jobs import GenerationJob, RecordSink
 
@@ -55,6 +57,11 @@ RESUME = "re-run the same command to resume (only the missing records are genera
 
 class ServerDownError(ServerError):
     """Every server stayed unreachable longer than allowed."""
+
+
+class ConnectError(StageError):
+    """A server of the pool that never became usable before the first request: names its URL,
+    what it answered and the fix (one line, exit 1)."""
 
 
 @dataclass
@@ -275,7 +282,9 @@ def run_remote(jobs: list[GenerationJob], backend, sink: RecordSink, cfg: Runner
 
 
 def connect(backend, timeout_s: float, poll_s: float, headers: dict | None = None) -> None:
-    """Wait until every server of the backend answers; fill in the openai served model name."""
+    """Wait until every server of the backend answers; fill in the openai served model name.
+    ConnectError when one does not come up, answers something else than the API (an HTML
+    page), or lists no model."""
 
     async def go() -> None:
         async with make_session(8) as session:
@@ -287,12 +296,13 @@ def connect(backend, timeout_s: float, poll_s: float, headers: dict | None = Non
                     await wait_ready(session, url, ("/v1/models", "/health"), timeout_s, poll_s,
                                      headers=headers)
             if backend.name == "openai" and not backend.model:
-                models = await get_json(session, backend.pool.urls[0], ("/v1/models",),
-                                        headers=headers)
-                if not models.get("data"):
-                    raise ServerError(f"{backend.pool.urls[0]}/v1/models lists no model: pass "
-                                      "--served-model")
-                backend.model = models["data"][0]["id"]
+                url = backend.pool.urls[0]
+                models = await get_json(session, url, ("/v1/models",), headers=headers)
+                backend.model = served_model(models, url)
                 log.info("served model: %s", backend.model)
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except ServerError as e:
+        raise ConnectError(f"{e}. Check --server-url (and --served-model), then re-run the "
+                           "same command") from None
