@@ -256,9 +256,30 @@ def served_model(models: dict, url: str) -> str:
     return first["id"]
 
 
+# The `/server_info` flags the stages compute with, by the type SGLang's ServerArgs gives them
+# (None: not set): a value of another type is not SGLang's answer, and would pass or crash a
+# check ("false" is true; "2" > 1 raises).
+SERVER_INFO_TYPES = {
+    int: ("tp_size", "pp_size", "max_prefill_tokens", "chunked_prefill_size",
+          "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
+    bool: ("disable_radix_cache", "enable_mixed_chunk", "enable_two_batch_overlap",
+           "allow_auto_truncate", "disable_piecewise_cuda_graph", "skip_server_warmup",
+           "disable_cuda_graph", "incremental_streaming_output"),
+    str: ("version", "model_path", "speculative_algorithm", "speculative_draft_model_path",
+          "cuda_graph_backend_prefill"),
+}
+
+
 async def get_server_info(session: aiohttp.ClientSession, base_url: str) -> dict:
-    """The server's flags (`/server_info`; `/get_server_info` before SGLang 0.5.10)."""
-    return await get_json(session, base_url, ("/server_info", "/get_server_info"))
+    """The server's flags (`/server_info`; `/get_server_info` before SGLang 0.5.10); a
+    ServerError naming the flag when one the stages read is not of SGLang's type."""
+    info = await get_json(session, base_url, ("/server_info", "/get_server_info"))
+    wrong = [f"{key} {info[key]!r}"[:80] for kind, keys in SERVER_INFO_TYPES.items()
+             for key in keys if info.get(key) is not None and type(info[key]) is not kind]
+    if wrong:
+        raise ServerError(f"{base_url}/server_info: {', '.join(wrong)}: not of the types "
+                          "SGLang's server flags have; is this the SGLang server's URL?")
+    return info
 
 
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")  # SGLang readiness (newer name first)

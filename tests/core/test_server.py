@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -204,3 +205,17 @@ def test_served_model_refuses_a_model_list_without_a_model_id(models):
     with pytest.raises(ServerError, match=r"http://h/v1/models lists no model id"):
         served_model(models, "http://h")
     assert served_model({"data": [{"id": "m"}, {"id": "n"}]}, "http://h") == "m"
+
+
+@pytest.mark.parametrize("flag,value", [("pp_size", "2"), ("disable_radix_cache", "false"),
+                                        ("speculative_num_steps", [3]), ("pp_size", True),
+                                        ("speculative_draft_model_path", 7)])
+def test_get_server_info_refuses_a_flag_not_of_sglangs_type(flag, value):
+    body = (200, json.dumps({"pp_size": 1, "disable_radix_cache": True, flag: value}),
+            "application/json")
+    with pytest.raises(ServerError, match=rf"/server_info: {flag} .*not of the types"):
+        asyncio.run(_serving({"/server_info": body}, lambda s, url: get_server_info(s, url)))
+    good = (200, '{"pp_size": 1, "disable_radix_cache": true, "version": null}',
+            "application/json")
+    assert asyncio.run(_serving({"/server_info": good},
+                                lambda s, url: get_server_info(s, url)))["pp_size"] == 1
