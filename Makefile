@@ -1,11 +1,13 @@
 # make demo: the whole pipeline on SmolLM2-135M-Instruct, a real instruct model (CPU, ~12 min).
 # make demo-stream: the same with 02b and 04 running at once (stream mode, bounded spool).
 # make demo-tiny: the same on the embedded tiny target (random weights; CPU, a few minutes).
+# make serve-demo: the committed reference SmolLM2 draft served by vLLM's CPU build beside plain
+#   SmolLM2: plain vs speculative tokens/s (a few minutes once vLLM is installed).
 # make test: the test suite (installs the test-only extras first).
 # make lint: ruff (pinned in requirements-test.txt) over the tree, as CI runs it.
 PY ?= python3
 
-.PHONY: install install-test install-vllm demo demo-stream demo-tiny test lint
+.PHONY: install install-test install-vllm demo demo-stream demo-tiny serve-demo test lint
 install: .installed
 .installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
@@ -45,6 +47,13 @@ demo-stream: install
 
 demo-tiny: install
 	bash demo.sh runs/demo
+
+# 8 held-out chat prompts x 96 tokens at concurrency 1 and 4; the whole benchmark (offline
+# acceptance beside the served one, the time split, concurrency 16) is benchmarks/bench_serve_vllm.py
+serve-demo: install install-vllm
+	$(PY) benchmarks/bench_serve_vllm.py --vllm-python $(abspath $(VLLM_VENV))/bin/python \
+	    --work runs/serve-demo --num-prompts 8 --max-new-tokens 96 --concurrency 1 4 \
+	    --no-offline --no-profile
 
 test: install-test install-vllm
 	EAGLE3_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q --durations=20 tests

