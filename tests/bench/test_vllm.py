@@ -1,5 +1,5 @@
-"""vLLM's layer rule, its metrics and the command 05 launches (no server: see
-test_vllm_serving.py for the real ones)."""
+"""vLLM's layer rule, its metrics (eagle3/bench/vllm_metrics.py) and the command 05 launches (no
+server: see test_vllm_serving.py for the real ones)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.bench.vllm import (
+from eagle3.bench.vllm import logged_capture_layers, speculative_config, vllm_command
+from eagle3.bench.vllm_metrics import (
     SpecCounters,
     acceptance_figures,
-    logged_capture_layers,
+    check_counters,
     parse_spec_metrics,
-    speculative_config,
-    vllm_command,
 )
 from eagle3.draft.check_vllm import check_vllm_layers, vllm_capture_layers
 
@@ -157,8 +156,6 @@ def test_05_vllm_check_only_serves_an_mla_run_from_final(tmp_path, monkeypatch, 
 
 
 def test_check_counters_refuses_deltas_that_cannot_be_the_levels():
-    from eagle3.bench.vllm import check_counters
-
     class R:
         def __init__(self, n):
             self.completion_tokens = n
