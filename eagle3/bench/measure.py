@@ -26,9 +26,8 @@ How each figure is measured, on our own requests only:
 Faults (eagle3/bench/faults.py): each request is retried with backoff on a server error, a
 timeout, a cut stream or an answer whose counts cannot be (`check_answer`: more tokens than
 asked, another prompt length, impossible verify rounds); one that fails every attempt is left
-out of every
-figure, listed in `failed_requests.jsonl` and counted in its level's `failed_requests`. A level
-whose requests fail many in a row sends no more. A SIGTERM abandons the level in flight and
+out of every figure, listed in `failed_requests.jsonl` and counted in its level's
+`failed_requests`. A level whose requests fail many in a row sends no more. A SIGTERM abandons the level in flight and
 raises `PartialRun` with the levels measured before it.
 """
 
@@ -100,8 +99,11 @@ class LoadSettings:
     timeout_s: float = 3600.0  # per attempt of a request
     retries: int = 3  # attempts after the first
     retry_delay_s: float = 1.0  # first backoff; doubles each retry
-    speculative: bool = False  # the server decodes with a draft (its acceptance is measured)
-    round_tokens: int | None = None  # the most tokens one verify round commits (steps + 1)
+    # SGLang's speculative server: its answers count their verify rounds (`spec_verify_ct`),
+    # each of at most `round_tokens` (steps + 1; None: not known) tokens. vLLM's are counted
+    # on /metrics instead (eagle3/bench/vllm_metrics.py).
+    speculative: bool = False
+    round_tokens: int | None = None
 
     def warmup(self, max_new_tokens: int) -> LoadSettings:
         return dataclasses.replace(
