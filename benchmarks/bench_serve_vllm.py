@@ -161,7 +161,7 @@ def level_rows(served: dict, offline: dict | None, steps: int) -> list[dict]:
                  "served_per_position": spec["per_position_acceptance"],
                  "requests": spec["requests"], "failed_requests": spec["failed_requests"]
                  + base.get("failed_requests", 0), "outputs_compared": len(spec["outputs"]),
-                 "outputs_equal_to_plain": equal, "metrics_error": spec.get("metrics_error")}
+                 "outputs_equal_to_plain": equal, "acceptance_error": spec.get("acceptance_error")}
             plain_t, spec_t = times.get(("baseline", name, c)), times.get(("speculative", name, c))
             r["plain_ms_per_step"] = 1e3 * plain_t[0] / plain_t[1] if plain_t else None
             r["spec_ms_per_round"] = (1e3 * spec_t[0] / spec["drafts"]
@@ -304,6 +304,8 @@ def table(rows: list[dict], prompts: dict, settings: dict) -> str:
                        f"{r['spec_tok_s']:>10.1f} | {_f(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>6} | "
                        f"{served:>19} | {off:>20} | {_f(r.get('acceptance_diff'), '+.3f'):>7} | "
                        f"{r['outputs_equal_to_plain']}/{r['outputs_compared']:<5}")
+        out += [f"  c={r['concurrency']}: served acceptance left out: {r['acceptance_error']}"
+                for r in rows if r["prompt_set"] == name and r.get("acceptance_error")]
     return "\n".join(out)
 
 

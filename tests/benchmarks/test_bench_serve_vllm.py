@@ -89,11 +89,13 @@ def test_table_and_time_lines_print_every_level_and_dashes_for_missing_figures()
             {"prompt_set": "chat", "concurrency": 4, "plain_tok_s": None, "spec_tok_s": 50.0,
              "ratio": None, "served_acceptance": None, "served_rounds": None,
              "served_tokens_per_round": None, "outputs_equal_to_plain": 0,
-             "outputs_compared": 4, "plain_ms_per_step": None, "spec_ms_per_round": None}]
+             "outputs_compared": 4, "plain_ms_per_step": None, "spec_ms_per_round": None,
+             "acceptance_error": "the spec-decode counters went backwards"}]
     settings = {"max_new_tokens": 64, "steps": 3, "launch_args": "--x", "threads": 2}
     text = bench.table(rows, {"chat": 4}, settings)
     assert "1.30x" in text and "1.800 (100)" in text and "+0.000" in text and "4/4" in text
     assert "   4 |           - |       50.0 |      - |" in text
+    assert "c=4: served acceptance left out: the spec-decode counters went backwards" in text
     split = {"1": {"decode_steps": 10, "scheduled_tokens": [4], "ms_per_step": {
         "step": 80.0, "verify_forward": 48.0, "sampling": 2.0, "draft": 24.0, "other": 6.0}}}
     lines = "\n".join(bench.time_lines(rows, split, 3))
