@@ -77,22 +77,39 @@ class DraftFolder:
     manifest: dict | None  # tools/commit_draft.py's manifest.json (None: e.g. a 04 folder)
 
 
-def read_draft_folder(path: Path) -> DraftFolder:
+def read_draft_folder(path: Path, work: Path) -> DraftFolder:
+    """The draft folder at `path`; its vLLM layout written from final/ into `work` when the
+    folder has none (the committed reference draft keeps one copy of the weights)."""
     manifest_path = path / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
     if manifest is not None and "drafts" not in manifest:  # 04's own manifest: a stage folder
         manifest = None
     names = (manifest or {}).get("drafts", {"offline": "final", "vllm": "final_speculators"})
-    folder = DraftFolder(path, path / names["offline"], path / names["vllm"], None, manifest)
-    for need in (folder.offline, folder.vllm):
-        if not need.is_dir():
-            hint = (" (the reference draft is committed with tools/commit_draft.py once trained)"
-                    if path == REFERENCE_DRAFT else "")
-            raise SystemExit(f"bench_serve_vllm: {need} missing: --draft needs a folder with "
-                             f"final/ and final_speculators/{hint}")
+    offline = path / names["offline"]
+    vllm = path / names["vllm"] if names.get("vllm") else work / "final_speculators"
+    if not offline.is_dir():
+        hint = (" (the reference draft is committed with tools/commit_draft.py once trained)"
+                if path == REFERENCE_DRAFT else "")
+        raise SystemExit(f"bench_serve_vllm: {offline} missing: --draft needs a folder with "
+                         f"final/{hint}")
+    if not vllm.is_dir() or not names.get("vllm"):
+        write_speculators(offline, vllm)
+    folder = DraftFolder(path, offline, vllm, None, manifest)
     if manifest is not None and manifest.get("prompts"):
         folder.prompts = path / manifest["prompts"]["file"]
     return folder
+
+
+def write_speculators(final: Path, out: Path) -> Path:
+    """The speculators layout vLLM serves, from an SGLang draft folder: the same tensors (bf16
+    weights exported again unchanged), as 04 writes its final_speculators/."""
+    import torch
+
+    from eagle3.draft.export import load_draft
+    from eagle3.draft.speculators import export_speculators
+
+    draft = load_draft(final, "cpu", torch.float32)
+    return export_speculators(draft, out, None, 3)
 
 
 # ---------------------------------------------------------------- 05 runs
@@ -447,9 +464,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     set_environment(args)
-    draft = read_draft_folder(args.draft.resolve())
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
+    draft = read_draft_folder(args.draft.resolve(), args.work)
     from eagle3.smollm2.target import build_smollm2_target
 
     target = (args.target or build_smollm2_target(args.work / "target")).resolve()

@@ -1,17 +1,19 @@
-"""Lay out a trained draft as a committed reference folder: its two layouts, 04's manifest, the
+"""Lay out a trained draft as a committed reference folder: the draft, 04's manifest, the
 held-out prompts, a manifest of the folder and a sha256 list; or check such a folder.
 
 The folder (benchmarks/results/smollm2_chat_draft/ is the reference SmolLM2 draft that
 benchmarks/bench_serve_vllm.py and `make serve-demo` serve):
 
     final/                 04's draft as SGLang loads it (the offline evaluator, 05 --backend hf)
-    final_speculators/     the same draft in the speculators layout (05 --backend vllm serves it)
+    (final_speculators/    not committed: the same weights in the speculators layout, which
+                           benchmarks/bench_serve_vllm.py writes from final/ for vLLM; one copy
+                           of the weights keeps the tree small enough to travel to a device)
     train_manifest.json    04's manifest.json, verbatim (flags, data hashes, eval estimate)
     heldout_chat.jsonl     the held-out chat prompts (a 05 prompt-set JSONL no stage saw)
     manifest.json          where it came from (--source), 04's key figures, every file's bytes
     SHA256SUMS             `<sha256>  <path>` of every file above (`sha256sum -c SHA256SUMS`)
 
-Only the top-level files of final/ and final_speculators/ are copied (config.json and the
+Only the top-level files of final/ are copied (config.json and the
 safetensors; never 04's checkpoints). Git refuses files over 100 MB: a file over
 MAX_FILE_BYTES stops the helper before anything is written.
 
@@ -38,7 +40,7 @@ from eagle3.bench.draft_files import check_draft_files
 from eagle3.core.faults import InputFileError
 from eagle3.core.stage import atomic_write_bytes, atomic_write_json, file_sha256
 
-DRAFT_LAYOUTS = ("final", "final_speculators")  # 04's two folders (SGLang, vLLM)
+DRAFT_LAYOUTS = ("final",)  # 04's SGLang folder; the vLLM one is derived from it
 TRAIN_MANIFEST = "train_manifest.json"
 PROMPTS_FILE = "heldout_chat.jsonl"
 MANIFEST = "manifest.json"
@@ -94,12 +96,11 @@ def check_sha256_list(folder: Path) -> list[str]:
 
 
 def copy_drafts(src_04: Path, folder: Path) -> None:
-    """final/ and final_speculators/ (their top-level files) and 04's manifest into `folder`."""
+    """final/ (its top-level files) and 04's manifest into `folder`."""
     for layout in DRAFT_LAYOUTS:
         if not (src_04 / layout).is_dir():
             raise DraftFolderError(f"{src_04 / layout}: missing; --from must be a 04 stage "
-                                   "folder (<workdir>/04_train) holding final/ and "
-                                   "final_speculators/")
+                                   "folder (<workdir>/04_train) holding final/")
     for layout in DRAFT_LAYOUTS:
         out = folder / layout
         shutil.rmtree(out, ignore_errors=True)
@@ -135,7 +136,7 @@ def folder_manifest(folder: Path, source: str) -> dict:
         "source": source,
         "written": datetime.datetime.now().isoformat(timespec="seconds"),
         "written_by": "tools/commit_draft.py",
-        "drafts": {"offline": "final", "vllm": "final_speculators"},
+        "drafts": {"offline": "final", "vllm": None},  # vLLM's: written from final/
         "prompts": {"file": PROMPTS_FILE, "records": count_prompts(folder / PROMPTS_FILE)},
         "train": {"manifest": TRAIN_MANIFEST, "started": train.get("started"),
                   "seconds": train.get("seconds"), "world_size": train.get("world_size"),
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help="the draft folder to write (or --check)")
     ap.add_argument("--from", dest="src_04", type=Path, default=None,
-                    help="a 04 stage folder (<workdir>/04_train): copy final/, "
-                         "final_speculators/ and its manifest.json from it")
+                    help="a 04 stage folder (<workdir>/04_train): copy final/ "
+                         "and its manifest.json from it")
     ap.add_argument("--prompts", type=Path, default=None,
                     help=f"the held-out prompt set (05 JSONL), copied as {PROMPTS_FILE}")
     ap.add_argument("--source", default=None,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,8 @@ def _load(rel: str, name: str):
 
 
 commit_draft = _load("tools/commit_draft.py", "commit_draft")
-REFERENCE_DRAFT = _load("benchmarks/bench_serve_vllm.py", "bench_serve_vllm").REFERENCE_DRAFT
+bench_serve_vllm = _load("benchmarks/bench_serve_vllm.py", "bench_serve_vllm")
+REFERENCE_DRAFT = bench_serve_vllm.REFERENCE_DRAFT
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +60,8 @@ def test_commit_draft_lays_out_the_folder_and_its_sha256_list(stage04, tmp_path)
                             str(ROOT / "prompts/chat.jsonl"), "--source", "a test"])
     assert rc == 0
     assert commit_draft.folder_files(out) == [
-        "final/config.json", "final/model.safetensors", "final_speculators/config.json",
-        "final_speculators/model.safetensors", "heldout_chat.jsonl", "manifest.json",
-        "train_manifest.json"]  # no checkpoint
+        "final/config.json", "final/model.safetensors", "heldout_chat.jsonl", "manifest.json",
+        "train_manifest.json"]  # no checkpoint, no second copy of the weights
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["source"] == "a test"
     assert manifest["prompts"] == {"file": "heldout_chat.jsonl", "records": 12}
@@ -77,14 +78,14 @@ def test_commit_draft_lays_out_the_folder_and_its_sha256_list(stage04, tmp_path)
 def test_check_sha256_list_names_a_changed_a_missing_and_an_unlisted_file(stage04, tmp_path):
     out = tmp_path / "draft"
     commit_draft.lay_out(out, "a test", stage04, ROOT / "prompts/chat.jsonl")
-    weights = out / "final_speculators/model.safetensors"
+    weights = out / "final/model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     (out / "heldout_chat.jsonl").unlink()
     (out / "notes.txt").write_text("x")
     problems = commit_draft.check_sha256_list(out)
-    assert problems == ["final_speculators/model.safetensors: sha256 differs from SHA256SUMS",
+    assert problems == ["final/model.safetensors: sha256 differs from SHA256SUMS",
                         "heldout_chat.jsonl: listed in SHA256SUMS, missing",
                         "notes.txt: not listed in SHA256SUMS"]
     proc = subprocess.run([sys.executable, "tools/commit_draft.py", str(out), "--check"],
@@ -92,13 +93,31 @@ def test_check_sha256_list_names_a_changed_a_missing_and_an_unlisted_file(stage0
     assert proc.returncode == 1 and "3 problems" in proc.stdout
 
 
-def test_commit_draft_refuses_a_folder_without_both_layouts(stage04, tmp_path, capsys):
+def test_commit_draft_refuses_a_folder_without_the_draft(stage04, tmp_path, capsys):
     src = tmp_path / "04_train"
-    (src / "final").mkdir(parents=True)
+    (src / "final_speculators").mkdir(parents=True)
     rc = commit_draft.main([str(tmp_path / "draft"), "--from", str(src), "--prompts",
                             str(ROOT / "prompts/chat.jsonl"), "--source", "a test"])
     assert rc == 1
-    assert "final_speculators: missing" in capsys.readouterr().err
+    assert "final: missing" in capsys.readouterr().err
+
+
+def test_the_benchmark_serves_the_tensors_04_exported_for_vllm(stage04, tmp_path):
+    """The committed folder holds final/ only; the vLLM layout the benchmark writes from it
+    holds 04's final_speculators/ tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "draft"
+    commit_draft.lay_out(out, "a test", stage04, ROOT / "prompts/chat.jsonl")
+    folder = bench_serve_vllm.read_draft_folder(out, tmp_path / "work")
+    assert folder.vllm == tmp_path / "work/final_speculators"
+    ours = load_file(folder.vllm / "model.safetensors")
+    theirs = load_file(stage04 / "final_speculators/model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+    config = json.loads((folder.vllm / "config.json").read_text())
+    assert config == json.loads((stage04 / "final_speculators/config.json").read_text())
 
 
 def test_the_committed_reference_draft_matches_its_sha256_list():
