@@ -102,8 +102,10 @@ def write_dumps(dump_dir: Path, args, records: list[dict]) -> Clock:
         rows = T * len(group)
         final = torch.randn(rows + 3, H).to(torch.bfloat16)  # + CUDA-graph padding rows
         aux = torch.randn(rows + 3, 3 * H).to(torch.bfloat16)
-        batch = SimpleNamespace(
+        ids = torch.tensor([t for r in group for t in r["input_ids"]] + [0] * 3)  # the dump's
+        batch = SimpleNamespace(  # identity: each record's ids, row for row with its states
             forward_mode=SimpleNamespace(name="EXTEND"), rids=[r["rid"] for r in group],
+            input_ids=ids,
             extend_start_loc=torch.arange(len(group)) * T, extend_seq_lens_cpu=[T] * len(group),
             extend_prefix_lens_cpu=[0] * len(group))
         with clock:

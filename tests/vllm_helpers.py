@@ -5,9 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 # float32 like the offline evaluator (vLLM's CPU build casts float32 checkpoints to bfloat16 by
-# default, and these CPUs have no bf16 instructions); eager (no compile: start-up in tens of
-# seconds); a context the test prompts fit.
+# default, and some of these hosts have no bf16 instructions); eager (no compile: start-up in
+# tens of seconds); a context the test prompts fit.
 LAUNCH_ARGS = "--enforce-eager --dtype float32 --max-model-len 1024"
+# MLA targets (the tiny DeepSeek-V3): on a CPU with AMX tiles (Sapphire Rapids, as some of these
+# hosts are) vLLM prefers its AMX MLA kernels, which refuse the tiny target's 16-wide weights
+# ("invalid weight input features 16" at start-up); the reference CPU_MLA backend serves any size.
+MLA_BACKEND_ARGS = ("--attention-backend", "CPU_MLA")
+MLA_LAUNCH_ARGS = f"{LAUNCH_ARGS} {' '.join(MLA_BACKEND_ARGS)}"
 
 
 def server_env(monkeypatch):

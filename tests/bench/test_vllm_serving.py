@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from vllm_helpers import LAUNCH_ARGS, server_env, workdir_sharing
+from vllm_helpers import LAUNCH_ARGS, MLA_LAUNCH_ARGS, server_env, workdir_sharing
 
 from eagle3.core.preflight import PreflightError
 
@@ -166,7 +166,7 @@ def test_deepseek_v3_vllm_target_serves_greedy_outputs_equal_to_transformers(
     server_env(monkeypatch)
     url = "http://127.0.0.1:30124"
     load = LoadSettings({"max_new_tokens": 16, "temperature": 0.0}, stream=False)
-    with LaunchedServer(vllm_command(vllm_python, target, LAUNCH_ARGS, 30124),
+    with LaunchedServer(vllm_command(vllm_python, target, MLA_LAUNCH_ARGS, 30124),
                         tmp_path / "server.log", url, 600, ready_paths=READY_PATHS):
         records, _ = asyncio.run(run_level(url, prompts, 1, load, "ds",
                                            send=completion_sender(str(target))))
