@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_DRAFT = ROOT / "benchmarks/results/smollm2_chat_draft"  # the committed draft
+REFERENCE_DRAFT = ROOT / "tests/fixtures/smollm2_chat_draft"  # the committed draft
 # float32 (these AVX2 CPUs have no bf16 instructions: bf16 serves ~4x slower), eager (start-up
 # in tens of seconds), a context the chat prompts and their replies fit
 LAUNCH_ARGS = "--enforce-eager --dtype float32 --max-model-len 2048"

@@ -1,7 +1,7 @@
 """Lay out a trained draft as a committed reference folder: the draft, 04's manifest, the
 held-out prompts, a manifest of the folder and a sha256 list; or check such a folder.
 
-The folder (benchmarks/results/smollm2_chat_draft/ is the reference SmolLM2 draft that
+The folder (tests/fixtures/smollm2_chat_draft/ is the reference SmolLM2 draft that
 benchmarks/bench_serve_vllm.py and `make serve-demo` serve):
 
     final/                 04's draft as SGLang loads it (the offline evaluator, 05 --backend hf)
@@ -18,13 +18,13 @@ safetensors; never 04's checkpoints). Git refuses files over 100 MB: a file over
 MAX_FILE_BYTES stops the helper before anything is written.
 
     # from a 04 stage folder brought back from the GPU host, in one command:
-    python tools/commit_draft.py benchmarks/results/smollm2_chat_draft \
+    python tools/commit_draft.py tests/fixtures/smollm2_chat_draft \
         --from /path/to/run/04_train --prompts /path/to/heldout_chat.jsonl \
         --source "one H200, 2026-12-05: reference/run_reference.py --profile h200-smollm2 ..."
     # a folder whose final/, final_speculators/, train_manifest.json and prompts are in place:
-    python tools/commit_draft.py benchmarks/results/smollm2_chat_draft --source "..."
+    python tools/commit_draft.py tests/fixtures/smollm2_chat_draft --source "..."
     # check the committed folder against its SHA256SUMS (exit 1 naming every difference):
-    python tools/commit_draft.py benchmarks/results/smollm2_chat_draft --check
+    python tools/commit_draft.py tests/fixtures/smollm2_chat_draft --check
 """
 
 from __future__ import annotations
