@@ -43,7 +43,7 @@ import json, sys
 ids = {json.loads(x)['id'] for x in open('$REF/main/01c_merged/eval.jsonl')}
 with open('$c/eval_conversations.jsonl', 'w') as out:
     for x in open('$sw/conversations.jsonl'):
-        if json.loads(x)['id'] in ids or json.loads(x)['id'].split('/')[-1] in ids:
+        if json.loads(x)['id'] in ids:
             out.write(x)
 print(len(ids), 'eval ids')"
     find "$REF/main/01_prepared/.self_written" -name stats.json -exec cp {} "$c/self_written_stats.json" \; 2>/dev/null

@@ -216,9 +216,10 @@ PROFILES["smoke-smollm2"] = replace(
 # regenerates the last replies with the fast hf engine (batch 1024), 02b stores fp8 states (~7M
 # tokens: 2.9 KB a token against bf16's 4.6), 04 trains 4 epochs. Phase 3 trains the data-size
 # drafts (2,500 and 10,000 conversations, their 02b files hard links to main's) while the main
-# draft's sweep runs beside them, as far as the deadline allows; 05 on the held-out prompts runs
-# wherever the drafts are brought (the drafts are small). benchmarks/gpu_chat_reference.sh runs
-# it on one H100/H200.
+# draft's sweep runs beside them, as far as the deadline allows. 05 runs at the end of phase 2
+# on the held-out prompts and prompts/chat.jsonl, as many as the deadline leaves time for (the
+# draft is small: 05 on more prompts runs wherever it is brought). benchmarks/
+# gpu_chat_reference.sh runs it on one H100/H200.
 PROFILES["h200-chat"] = replace(
     PROFILES["h200-smollm2"], corpus=(), corpus_source="self_written",
     self_written=(("count", 20000), ("heldout", 300), ("seed", 0), ("temperature", 1.0),

@@ -17,6 +17,7 @@ import gc
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -25,7 +26,16 @@ from pathlib import Path
 
 import torch
 
-from eagle3.core.stage import MANIFEST, STAGE_DIRS, atomic_write_json, read_manifest
+from eagle3.core import hidden_states as hs
+from eagle3.core.records import read_jsonl
+from eagle3.core.stage import (
+    MANIFEST,
+    STAGE_DIRS,
+    atomic_write_bytes,
+    atomic_write_json,
+    read_manifest,
+)
+from eagle3.extract.writer import INDEX_FILE
 
 log = logging.getLogger(__name__)
 
@@ -202,13 +212,6 @@ def link_states(source_02b: Path, dest_02b: Path, num_train: int) -> int:
     then resumes over them (each file's record id is checked against the split) and extracts
     only what the source lacks: the same states, no second prefill, no disk. Returns the files
     linked; nothing when `dest_02b` is complete."""
-    import os
-
-    from eagle3.core import hidden_states as hs
-    from eagle3.core.records import read_jsonl
-    from eagle3.core.stage import atomic_write_bytes
-    from eagle3.extract.writer import INDEX_FILE
-
     if (read_manifest(dest_02b) or {}).get("complete"):
         return 0
     linked = 0

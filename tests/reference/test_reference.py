@@ -261,6 +261,36 @@ def test_subset_workdir_keeps_the_first_train_records_and_the_eval_split(tmp_pat
     assert manifest["complete"] and manifest["outputs"]["train"] == 4
 
 
+def test_link_states_links_the_first_train_files_and_the_eval_split_with_their_index(tmp_path):
+    from eagle3.core import hidden_states as hs
+    from eagle3.extract.writer import INDEX_FILE
+    from reference.stages import link_states
+
+    src = tmp_path / "main" / "02b_hidden_states"
+    for split, n in (("train", 6), ("eval", 2)):
+        lines = []
+        for i in range(n):
+            path = hs.file_path(src / split, i)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(f"{split}{i}".encode())
+            lines.append(json.dumps({"idx": i, "id": f"{split}/{i}", "bytes": 6}) + "\n")
+        (src / split / INDEX_FILE).write_text("".join(lines))
+    dest = tmp_path / "size_4" / "02b_hidden_states"
+    assert link_states(src, dest, 4) == 4 + 2
+    for split, n in (("train", 4), ("eval", 2)):
+        index = [json.loads(x) for x in (dest / split / INDEX_FILE).read_text().splitlines()]
+        assert [e["idx"] for e in index] == list(range(n))
+        for i in range(n):  # the same file (a hard link), not a copy
+            assert hs.file_path(dest / split, i).stat().st_ino == \
+                hs.file_path(src / split, i).stat().st_ino
+    assert not hs.file_path(dest / "train", 4).exists()
+    assert link_states(src, dest, 4) == 0  # a second call links nothing again
+    (dest / "manifest.json").write_text(json.dumps({"complete": True}))
+    (dest / "train" / INDEX_FILE).unlink()
+    assert link_states(src, dest, 4) == 0  # a complete folder is left alone
+    assert not (dest / "train" / INDEX_FILE).exists()
+
+
 # ---------------------------------------------------------------- command lines
 
 
