@@ -31,9 +31,10 @@ The offline acceptance is re-weighted to the served requests: a level sends max(
 Writes `<out>/bench_serve_vllm.json` (every figure, the draft's manifest, the machine's load) beside
 the 05 work folders (served/, offline/, profile/ under --work). The committed reference draft
 (REFERENCE_DRAFT; tools/commit_draft.py lays it out) is the default; any folder holding final/
-and final_speculators/ works, e.g. a 04 stage folder:
+(and 04's manifest; final_speculators/ is written from final/ when absent) works, e.g. a 04
+stage folder:
 
-    python benchmarks/bench_serve_vllm.py                  # the committed draft (~20-30 min)
+    python benchmarks/bench_serve_vllm.py                  # the committed draft (~8.5 min)
     python benchmarks/bench_serve_vllm.py --draft runs/smollm2/04_train --prompt-sets chat
     make serve-demo                                        # plain vs speculative tok/s, minutes
 """
@@ -54,8 +55,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_DRAFT = ROOT / "tests/fixtures/smollm2_chat_draft"  # the committed draft
-# float32 (these AVX2 CPUs have no bf16 instructions: bf16 serves ~4x slower), eager (start-up
-# in tens of seconds), a context the chat prompts and their replies fit
+# float32 as the offline evaluator, whose acceptance the served one must equal; eager (start-up
+# in tens of seconds); a context the chat prompts and their replies fit
 LAUNCH_ARGS = "--enforce-eager --dtype float32 --max-model-len 2048"
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 STEP_SCOPES = {"gpu_model_runner: forward": "verify_forward", "gpu_model_runner: sample":
@@ -77,39 +78,43 @@ class DraftFolder:
     manifest: dict | None  # tools/commit_draft.py's manifest.json (None: e.g. a 04 folder)
 
 
-def read_draft_folder(path: Path, work: Path) -> DraftFolder:
-    """The draft folder at `path`; its vLLM layout written from final/ into `work` when the
-    folder has none (the committed reference draft keeps one copy of the weights)."""
+def read_draft_folder(path: Path, work: Path, target: Path) -> DraftFolder:
+    """The draft folder at `path`; when it holds no vLLM layout (the committed reference draft
+    keeps one copy of the weights) one is written from final/ into `work`, as 04 writes it
+    for `target`."""
     manifest_path = path / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
     if manifest is not None and "drafts" not in manifest:  # 04's own manifest: a stage folder
         manifest = None
     names = (manifest or {}).get("drafts", {"offline": "final", "vllm": "final_speculators"})
     offline = path / names["offline"]
-    vllm = path / names["vllm"] if names.get("vllm") else work / "final_speculators"
     if not offline.is_dir():
         hint = (" (the reference draft is committed with tools/commit_draft.py once trained)"
                 if path == REFERENCE_DRAFT else "")
         raise SystemExit(f"bench_serve_vllm: {offline} missing: --draft needs a folder with "
                          f"final/{hint}")
-    if not vllm.is_dir() or not names.get("vllm"):
-        write_speculators(offline, vllm)
+    vllm = path / names["vllm"] if names.get("vllm") else None
+    if vllm is None or not vllm.is_dir():
+        train = manifest["train"]["manifest"] if manifest else "manifest.json"
+        steps = json.loads((path / train).read_text())["args"]["ttt_steps"]
+        vllm = write_speculators(offline, work / "final_speculators", target, steps)
     folder = DraftFolder(path, offline, vllm, None, manifest)
     if manifest is not None and manifest.get("prompts"):
         folder.prompts = path / manifest["prompts"]["file"]
     return folder
 
 
-def write_speculators(final: Path, out: Path) -> Path:
+def write_speculators(final: Path, out: Path, target: Path, steps: int) -> Path:
     """The speculators layout vLLM serves, from an SGLang draft folder: the same tensors (bf16
-    weights exported again unchanged), as 04 writes its final_speculators/."""
+    weights exported again unchanged) and the config 04 writes for `target` and its TTT
+    `steps` (eagle3/train/stage.py)."""
     import torch
 
     from eagle3.draft.export import load_draft
     from eagle3.draft.speculators import export_speculators
 
     draft = load_draft(final, "cpu", torch.float32)
-    return export_speculators(draft, out, None, 3)
+    return export_speculators(draft, out, str(target), steps)
 
 
 # ---------------------------------------------------------------- 05 runs
@@ -134,10 +139,15 @@ def run_stage05(name: str, argv: list[str], work: Path) -> dict:
             "requests": str(workdir / "05_benchmark/requests.jsonl")}
 
 
-def requests_over_levels(n_prompts: int, concurrency: int) -> list[int]:
-    """The prompt index of each request a 05 server level sends (eagle3/bench/measure.py
-    run_level: max(prompts, 2 x concurrency) requests, prompts cycled)."""
-    return [i % n_prompts for i in range(max(n_prompts, 2 * concurrency))]
+def served_prompts(requests_path: Path) -> dict:
+    """{(prompt set, concurrency): prompt index of each good speculative request}, from 05's
+    requests.jsonl (failed requests are in no figure, so in no offline one either)."""
+    out: dict = {}
+    for line in Path(requests_path).read_text().splitlines():
+        r = json.loads(line)
+        if r["role"] == "speculative":
+            out.setdefault((r["prompt_set"], str(r["concurrency"])), []).append(r["prompt_index"])
+    return out
 
 
 def offline_over_requests(accept_lengths: list[list[int]], prompt_of_request: list[int]):
@@ -163,6 +173,7 @@ def decode_times(requests_path: Path) -> dict:
 def level_rows(served: dict, offline: dict | None, steps: int) -> list[dict]:
     """One row per prompt set and concurrency: speeds, acceptances, outputs, step times."""
     times = decode_times(Path(served["requests"]))
+    prompts_of = served_prompts(Path(served["requests"]))
     rows = []
     for name, levels in served["results"]["prompt_sets"].items():
         off = (offline or {}).get("results", {}).get("prompt_sets", {}).get(name)
@@ -176,6 +187,7 @@ def level_rows(served: dict, offline: dict | None, steps: int) -> list[dict]:
                  "served_acceptance": spec["acceptance_length"], "served_rounds": spec["drafts"],
                  "served_tokens_per_round": spec["tokens_per_round"],
                  "served_per_position": spec["per_position_acceptance"],
+                 "served_loop_share": spec["loop_share"],
                  "requests": spec["requests"], "failed_requests": spec["failed_requests"]
                  + base.get("failed_requests", 0), "outputs_compared": len(spec["outputs"]),
                  "outputs_equal_to_plain": equal, "acceptance_error": spec.get("acceptance_error")}
@@ -185,9 +197,9 @@ def level_rows(served: dict, offline: dict | None, steps: int) -> list[dict]:
                                       if spec_t and spec["drafts"] else None)
             if off_steps is not None:
                 acc, n = offline_over_requests(off_steps["accept_lengths"],
-                                               requests_over_levels(len(off_steps["outputs"]),
-                                                                    int(c)))
+                                               prompts_of.get((name, c), []))
                 r.update(offline_acceptance=acc, offline_rounds=n,
+                         offline_loop_share=off_steps["loop_share"],
                          acceptance_diff=(r["served_acceptance"] - acc
                                           if r["served_acceptance"] is not None else None),
                          tolerance=steps / n if n else None,
@@ -245,6 +257,7 @@ def profile_split(args, target: Path, draft: DraftFolder, prompts: list[list[int
     from eagle3.bench.measure import LoadSettings
     from eagle3.bench.vllm import READY_PATHS, completion_sender, speculative_config, vllm_command
     from eagle3.core.launcher import LaunchedServer
+    from eagle3.core.server import get_json, served_model
 
     trace_dir = (args.work / "profile/traces").resolve()
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -264,8 +277,7 @@ def profile_split(args, target: Path, draft: DraftFolder, prompts: list[list[int
     async def levels() -> dict:
         out = {}
         async with aiohttp.ClientSession() as session:
-            models = await (await session.get(url + "/v1/models")).json()
-            send = completion_sender(models["data"][0]["id"])
+            send = completion_sender(served_model(await get_json(session, url, READY_PATHS), url))
             await burst(session, send, 1)  # warm-up, not traced
             for c in args.concurrency:
                 before = set(trace_dir.glob("*.pt.trace.json"))
@@ -306,20 +318,21 @@ def _f(x, fmt: str, none: str = "-") -> str:
 def table(rows: list[dict], prompts: dict, settings: dict) -> str:
     """The speedup table, one block per prompt set."""
     head = (f"{'conc':>4} | {'plain tok/s':>11} | {'spec tok/s':>10} | {'ratio':>6} | "
-            f"{'served acc (rounds)':>19} | {'offline acc (rounds)':>20} | {'diff':>7} | "
-            f"{'= plain':>7}")
+            f"{'served acc (rounds, loops)':>26} | {'offline acc (rounds, loops)':>27} | "
+            f"{'diff':>7} | {'= plain':>7}")
     out = []
     for name in dict.fromkeys(r["prompt_set"] for r in rows):
         out += [f"\n{name}: {prompts[name]} prompts x {settings['max_new_tokens']} new tokens, "
                 f"greedy, chain of {settings['steps']}, {settings['launch_args']}, "
                 f"{settings['threads']} threads", head, "-" * len(head)]
         for r in (r for r in rows if r["prompt_set"] == name):
-            served = f"{_f(r['served_acceptance'], '.3f')} ({_f(r['served_rounds'], '.0f')})"
-            off = (f"{_f(r.get('offline_acceptance'), '.3f')} ({r['offline_rounds']})"
-                   if "offline_rounds" in r else "-")
+            served = (f"{_f(r['served_acceptance'], '.3f')} ({_f(r['served_rounds'], '.0f')}, "
+                      f"{_f(r['served_loop_share'], '.0%')})")
+            off = (f"{_f(r.get('offline_acceptance'), '.3f')} ({r['offline_rounds']}, "
+                   f"{_f(r.get('offline_loop_share'), '.0%')})" if "offline_rounds" in r else "-")
             out.append(f"{r['concurrency']:>4} | {_f(r['plain_tok_s'], '11.1f'):>11} | "
                        f"{r['spec_tok_s']:>10.1f} | {_f(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>6} | "
-                       f"{served:>19} | {off:>20} | {_f(r.get('acceptance_diff'), '+.3f'):>7} | "
+                       f"{served:>26} | {off:>27} | {_f(r.get('acceptance_diff'), '+.3f'):>7} | "
                        f"{r['outputs_equal_to_plain']}/{r['outputs_compared']:<5}")
         out += [f"  c={r['concurrency']}: served acceptance left out: {r['acceptance_error']}"
                 for r in rows if r["prompt_set"] == name and r.get("acceptance_error")]
@@ -466,10 +479,11 @@ def main(argv=None) -> int:
     set_environment(args)
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
-    draft = read_draft_folder(args.draft.resolve(), args.work)
+
     from eagle3.smollm2.target import build_smollm2_target
 
     target = (args.target or build_smollm2_target(args.work / "target")).resolve()
+    draft = read_draft_folder(args.draft.resolve(), args.work, target)
     sets = args.prompt_sets or [str(draft.prompts) if draft.prompts else "chat"]
     runs = measure(args, draft, target, sets)
     rows = level_rows(runs["served"], runs["offline"], args.steps)

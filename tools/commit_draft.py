@@ -21,7 +21,7 @@ MAX_FILE_BYTES stops the helper before anything is written.
     python tools/commit_draft.py tests/fixtures/smollm2_chat_draft \
         --from /path/to/run/04_train --prompts /path/to/heldout_chat.jsonl \
         --source "one H200, 2026-12-05: reference/run_reference.py --profile h200-smollm2 ..."
-    # a folder whose final/, final_speculators/, train_manifest.json and prompts are in place:
+    # a folder whose final/, train_manifest.json and prompts are in place:
     python tools/commit_draft.py tests/fixtures/smollm2_chat_draft --source "..."
     # check the committed folder against its SHA256SUMS (exit 1 naming every difference):
     python tools/commit_draft.py tests/fixtures/smollm2_chat_draft --check
@@ -205,9 +205,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {size:>12,}  {rel}")
     print(f"{args.folder}: {manifest['bytes']:,} bytes in {len(manifest['files'])} files (+ "
           f"{MANIFEST}, {SUMS}); {manifest['prompts']['records']} held-out prompts; "
-          f"04 estimate {manifest['train']['outputs'].get('eval_sim_accept')}")
+          f"{_estimate(manifest['train'])}")
     print(f"commit it: git add {args.folder} && git commit")
     return 0
+
+
+def _estimate(train: dict) -> str:
+    """04's acceptance estimate on its eval split, with its chain length and loop share."""
+    out, steps = train["outputs"], (train.get("args") or {}).get("ttt_steps")
+    if out.get("eval_sim_accept") is None:
+        return "no 04 estimate"
+    loops = out.get("eval_loop_share")
+    return (f"04 estimate {out['eval_sim_accept']:.3f} at {steps} steps on its eval split "
+            f"(loop share {'-' if loops is None else format(loops, '.0%')}; not a measurement: "
+            "05 measures the draft)")
 
 
 if __name__ == "__main__":

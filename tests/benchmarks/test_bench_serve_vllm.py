@@ -20,18 +20,16 @@ bench = sys.modules["bench_serve_vllm"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # registered first: dataclasses look their module up
 
 
-@pytest.mark.parametrize("n_prompts, concurrency", [(4, 1), (4, 4), (3, 16), (32, 16)])
-def test_requests_over_levels_are_the_prompts_05_sends(n_prompts, concurrency):
-    from eagle3.bench.measure import LoadSettings, run_level
-
-    async def send(session, base_url, input_ids, rid, load):
-        return [1, 2], {"completion_tokens": 2, "finish_reason": "length"}, 0.0, 0.0
-
-    prompts = [[p] for p in range(n_prompts)]
-    records, _ = asyncio.run(run_level("http://127.0.0.1:1", prompts, concurrency,
-                                       LoadSettings({"max_new_tokens": 2}), "t", send=send))
-    sent = sorted(r.prompt_index for r in records)
-    assert sent == sorted(bench.requests_over_levels(n_prompts, concurrency))
+def test_served_prompts_are_the_good_speculative_requests_of_each_level(tmp_path):
+    lines = [{"role": "baseline", "prompt_set": "chat", "concurrency": 1, "prompt_index": 0},
+             {"role": "speculative", "prompt_set": "chat", "concurrency": 1, "prompt_index": 0},
+             {"role": "speculative", "prompt_set": "chat", "concurrency": 4, "prompt_index": 1},
+             {"role": "speculative", "prompt_set": "chat", "concurrency": 4, "prompt_index": 1},
+             {"role": "speculative", "prompt_set": "code", "concurrency": 4, "prompt_index": 2}]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert bench.served_prompts(path) == {("chat", "1"): [0], ("chat", "4"): [1, 1],
+                                          ("code", "4"): [2]}
 
 
 def test_offline_acceptance_over_requests_weights_each_prompt_by_its_requests():
@@ -83,17 +81,19 @@ def test_parse_trace_splits_decode_steps_and_leaves_out_prefill_steps(tmp_path):
 def test_table_and_time_lines_print_every_level_and_dashes_for_missing_figures():
     rows = [{"prompt_set": "chat", "concurrency": 1, "plain_tok_s": 20.0, "spec_tok_s": 26.0,
              "ratio": 1.3, "served_acceptance": 1.8, "served_rounds": 100.0,
-             "served_tokens_per_round": 1.79, "offline_acceptance": 1.8, "offline_rounds": 100,
+             "served_tokens_per_round": 1.79, "served_loop_share": 0.06, "offline_acceptance": 1.8,
+             "offline_rounds": 100, "offline_loop_share": 0.06,
              "acceptance_diff": 0.0, "outputs_equal_to_plain": 4, "outputs_compared": 4,
              "plain_ms_per_step": 50.0, "spec_ms_per_round": 70.0},
             {"prompt_set": "chat", "concurrency": 4, "plain_tok_s": None, "spec_tok_s": 50.0,
              "ratio": None, "served_acceptance": None, "served_rounds": None,
+             "served_loop_share": None,
              "served_tokens_per_round": None, "outputs_equal_to_plain": 0,
              "outputs_compared": 4, "plain_ms_per_step": None, "spec_ms_per_round": None,
              "acceptance_error": "the spec-decode counters went backwards"}]
     settings = {"max_new_tokens": 64, "steps": 3, "launch_args": "--x", "threads": 2}
     text = bench.table(rows, {"chat": 4}, settings)
-    assert "1.30x" in text and "1.800 (100)" in text and "+0.000" in text and "4/4" in text
+    assert "1.30x" in text and "1.800 (100, 6%)" in text and "+0.000" in text and "4/4" in text
     assert "   4 |           - |       50.0 |      - |" in text
     assert "c=4: served acceptance left out: the spec-decode counters went backwards" in text
     split = {"1": {"decode_steps": 10, "scheduled_tokens": [4], "ms_per_step": {

@@ -1,4 +1,4 @@
-"""tools/commit_draft.py lays out a committed draft folder (both layouts, 04's manifest, the
+"""tools/commit_draft.py lays out a committed draft folder (final/, 04's manifest, the
 held-out prompts, manifest.json, SHA256SUMS), and the committed reference draft matches its list.
 
 The fake 04 folder is a small random Llama-style draft exported by 04's own exporters.
@@ -33,7 +33,8 @@ REFERENCE_DRAFT = bench_serve_vllm.REFERENCE_DRAFT
 
 @pytest.fixture(scope="module")
 def stage04(tmp_path_factory) -> Path:
-    """A 04 stage folder: final/, final_speculators/, a complete manifest.json, a checkpoint."""
+    """A 04 stage folder as 04 writes it (final/, final_speculators/ for its target and
+    TTT steps, a complete manifest.json, a checkpoint)."""
     from draft_helpers import llama_draft
 
     from eagle3.draft.export import export_sglang
@@ -42,12 +43,16 @@ def stage04(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("run") / "04_train"
     draft = llama_draft()
     export_sglang(draft, folder / "final")
-    export_speculators(draft, folder / "final_speculators", None, 3)
+    target = folder.parent / "target"  # what 04 names as the verifier (its architectures)
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    export_speculators(draft, folder / "final_speculators", str(target), 5)  # --ttt-steps 5
     (folder / "checkpoints/step_000010").mkdir(parents=True)
     (folder / "checkpoints/step_000010/model.pt").write_bytes(b"not for git")
     manifest = {"stage": "04_train", "complete": True, "started": "2026-12-05T10:00:00",
                 "seconds": 12.5, "world_size": 1, "inputs": [{"path": "x", "manifest_sha256": "y"}],
-                "args": {"epochs": 3, "lr": 1e-3, "target": "/tmp/target", "draft_arch": "llama"},
+                "args": {"epochs": 3, "lr": 1e-3, "target": str(target), "draft_arch": "llama",
+                         "ttt_steps": 5},
                 "outputs": {"num_steps": 10, "tokens": 5000, "eval_sim_accept": 1.5},
                 "draft_config": {"hidden_size": 32}}
     (folder / "manifest.json").write_text(json.dumps(manifest))
@@ -109,7 +114,8 @@ def test_the_benchmark_serves_the_tensors_04_exported_for_vllm(stage04, tmp_path
 
     out = tmp_path / "draft"
     commit_draft.lay_out(out, "a test", stage04, ROOT / "prompts/chat.jsonl")
-    folder = bench_serve_vllm.read_draft_folder(out, tmp_path / "work")
+    folder = bench_serve_vllm.read_draft_folder(out, tmp_path / "work",
+                                                stage04.parent / "target")
     assert folder.vllm == tmp_path / "work/final_speculators"
     ours = load_file(folder.vllm / "model.safetensors")
     theirs = load_file(stage04 / "final_speculators/model.safetensors")
@@ -121,9 +127,6 @@ def test_the_benchmark_serves_the_tensors_04_exported_for_vllm(stage04, tmp_path
 
 
 def test_the_committed_reference_draft_matches_its_sha256_list():
-    if not REFERENCE_DRAFT.is_dir():
-        pytest.skip(f"{REFERENCE_DRAFT.relative_to(ROOT)} is not committed yet (the GPU-trained "
-                    "SmolLM2 draft, laid out by tools/commit_draft.py)")
     assert commit_draft.check_sha256_list(REFERENCE_DRAFT) == []
     manifest = json.loads((REFERENCE_DRAFT / "manifest.json").read_text())
     assert manifest["bytes"] == sum((REFERENCE_DRAFT / f).stat().st_size for f in manifest["files"])
