@@ -5,7 +5,6 @@ tests/bench/test_serve_reference_draft.py."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import sys
