@@ -180,7 +180,6 @@ def level_rows(served: dict, offline: dict | None, steps: int) -> list[dict]:
         off_steps = off["steps"][str(steps)] if off else None
         for c, row in levels.items():
             base, spec = row["baseline"] or {}, row["speculative"]
-            equal = sum(a == b for a, b in zip(base.get("outputs", []), spec["outputs"]))
             r = {"prompt_set": name, "concurrency": int(c),
                  "plain_tok_s": base.get("total_tok_s"), "spec_tok_s": spec["total_tok_s"],
                  "ratio": row["speedup"], "per_request_ratio": row["per_request_speedup"],
@@ -189,8 +188,10 @@ def level_rows(served: dict, offline: dict | None, steps: int) -> list[dict]:
                  "served_per_position": spec["per_position_acceptance"],
                  "served_loop_share": spec["loop_share"],
                  "requests": spec["requests"], "failed_requests": spec["failed_requests"]
-                 + base.get("failed_requests", 0), "outputs_compared": len(spec["outputs"]),
-                 "outputs_equal_to_plain": equal, "acceptance_error": spec.get("acceptance_error")}
+                 + base.get("failed_requests", 0),
+                 "outputs_compared": spec["lossless_compared"],  # every request, not prompt
+                 "outputs_equal_to_plain": spec["lossless_compared"] - spec["lossless_mismatches"],
+                 "acceptance_error": spec.get("acceptance_error")}
             plain_t, spec_t = times.get(("baseline", name, c)), times.get(("speculative", name, c))
             r["plain_ms_per_step"] = 1e3 * plain_t[0] / plain_t[1] if plain_t else None
             r["spec_ms_per_round"] = (1e3 * spec_t[0] / spec["drafts"]

@@ -238,8 +238,17 @@ def summarize_level(records: list[RequestRecord], wall_s: float, failed: int = 0
         "requests_without_verify_ct": len(records) - len(verified),
         "cached_tokens": sum(r.cached_tokens for r in records),
         "loop_share": loop_stats([r.output_ids for r in records]).share,
-        "outputs": {r.prompt_index: r.output_ids for r in records},  # for check_lossless
+        "outputs": _outputs_by_prompt(records),  # for check_lossless
     }
+
+
+def _outputs_by_prompt(records: list[RequestRecord]) -> dict[int, list[list[int]]]:
+    """{prompt index: the output ids of each of its requests} (a level may send a prompt more
+    than once: max(prompts, 2 x concurrency) requests)."""
+    out: dict[int, list[list[int]]] = {}
+    for r in records:
+        out.setdefault(r.prompt_index, []).append(r.output_ids)
+    return out
 
 
 def measure_levels(base_url: str, role: str, prompt_sets: list[PromptSet],
@@ -357,24 +366,27 @@ def brief_level(s: dict) -> str:
 
 
 def check_lossless(measured: dict, temperature: float) -> tuple[int | None, list[str]]:
-    """At temperature 0, the prompts (per set and level) whose speculative output differs from
-    the baseline's: each level's count as its speculative summary's `lossless_mismatches`;
-    (the total, its preflight note). A prompt whose request failed on either server is not
-    compared; None above temperature 0 (sampling). Every summary's outputs become a list in
-    prompt order."""
+    """At temperature 0, the speculative requests (per set and level) whose output is none of
+    the baseline's outputs of the same prompt: each level's count as its speculative summary's
+    `lossless_mismatches`, beside `lossless_compared` (the requests compared); (the total, its
+    preflight note). A prompt whose requests failed on either server is not compared; None
+    above temperature 0 (sampling). Every summary's outputs become a list in prompt order (a
+    prompt's first request)."""
     total = None
     if temperature == 0:
         total = 0
         for name, levels in measured["speculative"].items():
             for c, spec in levels.items():
                 base = measured["baseline"][name][c]["outputs"]
-                bad = sum(1 for p, ids in spec["outputs"].items() if p in base and base[p] != ids)
-                spec["lossless_mismatches"] = bad
+                pairs = [(ids, base[p]) for p, outs in spec["outputs"].items() if p in base
+                         for ids in outs]
+                spec["lossless_compared"] = len(pairs)
+                spec["lossless_mismatches"] = bad = sum(ids not in plain for ids, plain in pairs)
                 total += bad
     for levels in measured.values():
         for summary in levels.values():
             for s in summary.values():
-                s["outputs"] = [s["outputs"][p] for p in sorted(s["outputs"])]
+                s["outputs"] = [s["outputs"][p][0] for p in sorted(s["outputs"])]
     notes = [f"error: {total} speculative outputs differ from the baseline's at temperature 0: "
              "the speculative server does not decode losslessly (see report.md)"] if total else []
     return total, notes

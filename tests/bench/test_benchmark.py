@@ -12,7 +12,14 @@ import pytest
 from bench_fake_server import FakeBenchServer, fake_output_ids, verify_count
 from bench_helpers import make_tiny_draft
 
-from eagle3.bench.measure import LoadSettings, RequestRecord, combine, percentile, summarize_level
+from eagle3.bench.measure import (
+    LoadSettings,
+    RequestRecord,
+    check_lossless,
+    combine,
+    percentile,
+    summarize_level,
+)
 from eagle3.bench.prompts import BUILTIN_SETS, PromptSet, load_prompt_set
 from eagle3.bench.report import report_markdown
 from eagle3.bench.sglang import measure_server, merge_stream_ids
@@ -48,6 +55,22 @@ def test_summarize_level_matches_hand_computation_when_records_are_known():
 def test_summarize_level_reports_no_acceptance_when_server_has_no_draft():
     s = summarize_level([_record(10, None, None, 1.0)], 1.0)
     assert s["acceptance_length"] is None and s["ttft_mean_s"] is None
+
+
+def test_check_lossless_compares_every_request_of_a_prompt_sent_twice():
+    """A level sends a prompt twice when 2 x concurrency exceeds the prompts: the second
+    speculative request is compared too (it was not while outputs were kept one a prompt)."""
+    def level(*outputs):
+        records = [RequestRecord(p, "r", ids, len(ids), 10, 0, None, 0.1, 1.0, 0.0)
+                   for p, ids in outputs]
+        return {"x": {"16": summarize_level(records, 1.0)}}
+
+    base = level((0, [1, 2]), (1, [3, 4]), (0, [1, 2]), (1, [3, 4]))
+    spec = level((0, [1, 2]), (1, [3, 9]), (0, [1, 2]), (1, [3, 4]))  # prompt 1's first differs
+    total, notes = check_lossless({"baseline": base, "speculative": spec}, 0.0)
+    assert total == 1 and notes
+    assert spec["x"]["16"]["lossless_compared"] == 4
+    assert spec["x"]["16"]["outputs"] == [[1, 2], [3, 9]]  # the JSON keeps one a prompt
 
 
 def test_combine_divides_total_throughputs_when_levels_match():
