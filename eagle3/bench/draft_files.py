@@ -10,7 +10,8 @@ starts: each problem is an `InputFileError` naming the file and what is wrong.
   safetensors or the server's loader); safetensors itself then reads every tensor (offsets,
   dtypes), and every floating-point weight must be finite: a NaN or Inf in a weight makes the
   draft's every proposal garbage while the server serves on. This reads the whole draft once
-  (~1 s per GB).
+  (measured on 2 CPU cores beside other work: 0.54 GB of bf16 in 2.3 s; the 21.5 MB reference
+  SmolLM2 draft in 0.27 s).
 - `d2t` has `draft_vocab_size` entries and `t2d` `vocab_size` (config.json's values).
 
 A folder without config.json or without safetensors is left to the preflight
@@ -117,8 +118,9 @@ def check_finite(path: Path) -> None:
                 t = f.get_tensor(name)
                 if not t.is_floating_point():
                     continue
-                bad = int((~torch.isfinite(t.float() if t.element_size() == 1 else t)).sum())
-                if bad:
+                finite = torch.isfinite(t.float() if t.element_size() == 1 else t)
+                if not bool(finite.all()):  # counted only then
+                    bad = int((~finite).sum())
                     raise InputFileError(path, f"weight {name} {list(t.shape)} holds {bad:,} "
                                                "NaN/Inf values: the draft would propose garbage. "
                                                "Re-export it from a finite checkpoint of 04's "
