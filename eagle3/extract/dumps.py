@@ -22,7 +22,6 @@ from eagle3.extract.writer import ExtractError, check_disk, record_meta
 
 log = logging.getLogger(__name__)
 
-DUMP_BYTES_PER_TOKEN = 8  # x H: aux [T, 3H] + final [T, H], bf16 (input_ids: 8 B more)
 # A dump's zip headers and pickle, whatever its length: 4 tensors, a few scalars (~2 KB).
 DUMP_OVERHEAD_BYTES = 64 << 10
 
@@ -219,7 +218,7 @@ def clean_dump_dir(dump_dir: Path, rid_prefix: str) -> int:
     return len(stale)
 
 
-def check_dump_dir(dump_dir: Path, pending_lengths: list[int], hidden_size: int,
+def check_dump_dir(dump_dir: Path, pending_lengths: list[int], expected: Expected,
                    in_flight: int) -> None:
     """The dump directory exists (the server made it) and holds the dumps in flight."""
     if not dump_dir.is_dir():
@@ -228,8 +227,8 @@ def check_dump_dir(dump_dir: Path, pending_lengths: list[int], hidden_size: int,
             f"EAGLE3_DUMP_DIR={dump_dir} on this machine (it creates the directory at start) "
             "and pass the same path to --dump-dir")
     longest = sorted(pending_lengths, reverse=True)[:in_flight]
-    need = sum(longest) * DUMP_BYTES_PER_TOKEN * hidden_size
+    need = sum(max_dump_bytes(n, expected) for n in longest)
     check_disk(dump_dir, need, 0.2,
-               f"{len(longest)} dumps in flight, the longest records, {sum(longest):,} tokens x "
-               f"{DUMP_BYTES_PER_TOKEN * hidden_size:,} B",
+               f"{len(longest)} dumps in flight, the longest records, {sum(longest):,} tokens "
+               f"at up to {max_dump_bytes(1, expected) - DUMP_OVERHEAD_BYTES:,} B",
                "Lower --concurrency or put EAGLE3_DUMP_DIR on a larger file system")

@@ -195,7 +195,7 @@ class SglangExtractor:
             log.info("concurrency %d: ~4 prefill batches of %s tokens in flight",
                      self.concurrency, info.get("max_prefill_tokens") or 16384)
         self._slots = asyncio.Semaphore(self.concurrency)
-        check_dump_dir(self.cfg.dump_dir, lengths, self.expected.hidden_size,
+        check_dump_dir(self.cfg.dump_dir, lengths, self.expected,
                        self.concurrency + 2 * self.cfg.workers)
         stale = clean_dump_dir(self.cfg.dump_dir, self.cfg.rid_prefix)
         if stale:

@@ -362,11 +362,13 @@ def test_check_dump_dir_refuses_when_dumps_in_flight_do_not_fit(tmp_path, monkey
     from collections import namedtuple
 
     from eagle3.extract import writer as extract
+    from eagle3.extract.dumps import Expected
     from eagle3.extract.sglang import check_dump_dir
 
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(extract.shutil, "disk_usage", lambda p: Usage(0, 0, 10 << 30))
-    # 32 dumps of 8192 tokens at 8 x 7168 bytes a token: 15 GB, more than 10 GB free
-    with pytest.raises(ExtractError, match="32 dumps in flight.*--concurrency"):
-        check_dump_dir(tmp_path, [8192] * 100, 7168, in_flight=32)
-    check_dump_dir(tmp_path, [8192] * 100, 7168, in_flight=16)  # 7.5 GB (+20%) fits
+    # 32 dumps of 8192 tokens at 8 x 7168 + 8 bytes a token: 15 GB, more than 10 GB free
+    expected = Expected(7168, (2, 30, 58), tmp_path)
+    with pytest.raises(ExtractError, match="32 dumps in flight.*57,352 B.*--concurrency"):
+        check_dump_dir(tmp_path, [8192] * 100, expected, in_flight=32)
+    check_dump_dir(tmp_path, [8192] * 100, expected, in_flight=16)  # 7.5 GB (+20%) fits
