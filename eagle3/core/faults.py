@@ -172,20 +172,8 @@ def script_main(main: Callable[[], int], name: str) -> int:
     except OSError as e:
         if not is_disk_error(e):
             raise
-        print(f"{name}: error: {escaped_disk_error(e)}", file=sys.stderr)
+        print(f"{name}: error: {disk_error(e, e.filename or '.')}", file=sys.stderr)
         return 1
-
-
-def escaped_disk_error(exc: OSError) -> DiskError:
-    """The DiskError of a full or read-only disk that no writer turned into one: naming the
-    file's folder when the error names the file by its full path. A relative name (shutil.rmtree
-    names each entry relative to the folder it empties, e.g. under --force) locates nothing: the
-    line names the entry, never a folder it would guess wrong (nor that folder's free space)."""
-    if exc.filename and Path(exc.filename).is_absolute():
-        return disk_error(exc, exc.filename)
-    return DiskError(f"cannot write or remove {exc.filename or 'a file'} (a name relative to a "
-                     f"folder of the stage's): {DISK_ERRNOS[exc.errno]}. Make the work directory "
-                     "writable (or free space), then re-run the same command")
 
 
 @contextmanager

@@ -286,7 +286,14 @@ def open_stage(workdir: Path, folder: str, args: dict, force: bool = False) -> S
         return None
     if force and stage_dir.exists():
         log.info("--force: removing %s", stage_dir)
-        shutil.rmtree(stage_dir)
+        try:
+            shutil.rmtree(stage_dir)
+        except OSError as e:  # rmtree names the entry relative to the folder it was emptying
+            if not is_disk_error(e):
+                raise
+            raise DiskError(f"--force cannot remove {stage_dir} ({e.filename}: "
+                            f"{DISK_ERRNOS[e.errno]}). Make the work directory writable, then "
+                            "re-run the same command") from e
     stage_dir.mkdir(parents=True, exist_ok=True)
     (stage_dir / MANIFEST).unlink(missing_ok=True)  # a resumed stage is incomplete until it ends
     sweep_temp_files(stage_dir)  # what a killed run was writing
