@@ -29,7 +29,15 @@ from typing import Any
 
 from eagle3.core.faults import Interrupted, StopSignals
 from eagle3.core.preflight import PreflightError
-from eagle3.core.server import RETRY_STATUS, RetryPolicy, ServerError, TransientError
+from eagle3.core.server import (
+    RETRY_STATUS,
+    BadAnswer,
+    RetryPolicy,
+    ServerError,
+    TransientError,
+    check_generated,
+    finish_kind,
+)
 from eagle3.core.stage import StageError
 
 log = logging.getLogger(__name__)
@@ -46,10 +54,6 @@ class BenchmarkError(StageError):
 class BenchmarkRefused(BenchmarkError, PreflightError):
     """A preflight refusal (the draft, a server's flags) as a stage error: still a
     PreflightError for the callers that look for one."""
-
-
-class BadAnswer(TransientError):
-    """An answer that cannot be measured as it came (cut, miscounted, aborted)."""
 
 
 class RequestFailed(ServerError):
@@ -76,12 +80,6 @@ class FailedRequest:
     rid: str
     attempts: int  # 0: not sent (the level was given up after failures in a row)
     reason: str
-
-
-def finish_type(meta: dict) -> str | None:
-    """The finish reason of an answer's meta: SGLang's {"type": ...} or vLLM's string."""
-    finish = meta.get("finish_reason")
-    return finish.get("type") if isinstance(finish, dict) else finish
 
 
 @dataclass(frozen=True)
@@ -117,15 +115,10 @@ def check_answer(ids: list[int], meta: dict, limits: AnswerLimits, what: str) ->
     """The answer's counts; BadAnswer for one whose counts cannot be (module docstring)."""
     if not isinstance(meta, dict):
         raise BadAnswer(f"{what}: meta_info is {repr(meta)[:100]}, not an object")
-    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
-        raise BadAnswer(f"{what}: output ids that are not token ids: {str(ids)[:100]}")
-    n, sent = len(ids), limits.prompt_tokens
-    counted, prompt, cached, verify = (_count(meta, k, what) for k in (
-        "completion_tokens", "prompt_tokens", "cached_tokens", "spec_verify_ct"))
-    if counted is not None and counted != n:
-        raise BadAnswer(f"{what}: completion_tokens {counted} but {n} token ids in the answer")
-    if n > limits.max_new_tokens:
-        raise BadAnswer(f"{what}: {n} tokens, more than max_new_tokens {limits.max_new_tokens}")
+    n = check_generated(ids, meta.get("completion_tokens"), limits.max_new_tokens, what)
+    sent = limits.prompt_tokens
+    prompt, cached, verify = (_count(meta, k, what) for k in (
+        "prompt_tokens", "cached_tokens", "spec_verify_ct"))
     if prompt is not None and prompt != sent:
         raise BadAnswer(f"{what}: the server counted {prompt} prompt tokens, {sent} were sent")
     if cached is not None and cached > sent:
@@ -136,7 +129,7 @@ def check_answer(ids: list[int], meta: dict, limits: AnswerLimits, what: str) ->
     if verify and limits.round_tokens and n - 1 > verify * limits.round_tokens:
         raise BadAnswer(f"{what}: {n} tokens in {verify} verify rounds: more than "
                         f"{limits.round_tokens} (steps + 1) a round after the prefill's token")
-    finish = finish_type(meta)
+    finish = finish_kind(meta.get("finish_reason"))
     if finish == "abort":
         raise BadAnswer(f"{what}: aborted by the server ({meta.get('finish_reason')})")
     if finish is None and n < limits.max_new_tokens:

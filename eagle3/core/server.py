@@ -57,6 +57,38 @@ class TransientError(ServerError):
         self.server: str | None = None  # set by post_pool_once: which server failed
 
 
+class BadAnswer(TransientError):
+    """A 200 answer that contradicts itself or its request (a token count, a reply cut short, a
+    body without the API's fields): possibly a glitch of this attempt, so it is retried like a
+    500, and never becomes a record or a figure."""
+
+
+def finish_kind(reason) -> str | None:
+    """A finish reason's kind: SGLang's {"type": ...} or the OpenAI / vLLM string."""
+    return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def check_generated(ids, completion_tokens, max_new_tokens: int, what: str = "") -> int:
+    """The number of generated ids, after BadAnswer unless they are token ids (non-negative
+    ints), `completion_tokens` (None: not reported) is that count, and it is within the
+    request's `max_new_tokens`; `what` names the request in the message."""
+    at = f"{what}: " if what else ""
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise BadAnswer(f"{at}output ids that are not token ids: {str(ids)[:200]}")
+    n = len(ids)
+    if completion_tokens is not None and (type(completion_tokens) is not int
+                                          or completion_tokens < 0):
+        raise BadAnswer(f"{at}wrong token count: completion_tokens is "
+                        f"{repr(completion_tokens)[:60]}, not a count")
+    if completion_tokens is not None and completion_tokens != n:
+        raise BadAnswer(f"{at}wrong token count: completion_tokens {completion_tokens} but {n} "
+                        "token ids in the answer")
+    if n > max_new_tokens:
+        raise BadAnswer(f"{at}wrong token count: {n} tokens, more than max_new_tokens "
+                        f"{max_new_tokens}")
+    return n
+
+
 @dataclass
 class RetryPolicy:
     # No defaults where a script has the flag (01b --retry-delay-s, --request-timeout-s): the

@@ -40,7 +40,16 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from eagle3.core.chat import ChatRenderer
-from eagle3.core.server import RetryPolicy, ServerPool, TransientError, post_once, post_pool_once
+from eagle3.core.server import (
+    BadAnswer,
+    RetryPolicy,
+    ServerPool,
+    TransientError,
+    check_generated,
+    finish_kind,
+    post_once,
+    post_pool_once,
+)
 from eagle3.generate.jobs import GenerationJob, generated_record
 
 log = logging.getLogger(__name__)
@@ -48,12 +57,6 @@ log = logging.getLogger(__name__)
 
 class RecordFailure(ValueError):
     """An answer that cannot become a record (not retried); the message is the reason."""
-
-
-class BadAnswer(TransientError):
-    """An answer that contradicts itself or its request (a token count, a reply cut short, a
-    body without the fields of the API): possibly a glitch of this attempt, so it is retried
-    like a 500; after the last attempt the record goes to the failures file. Never a record."""
 
 
 # OpenAI finish reasons of a reply the server finished by itself (TGI says "eos_token").
@@ -100,7 +103,7 @@ class SGLangBackend:
                                 f"prompt tokens, {len(job.prompt_ids)} were sent (do not start "
                                 "the server with --allow-auto-truncate; raise --context-length)")
         reason = meta.get("finish_reason")
-        kind = reason_kind(reason)
+        kind = finish_kind(reason)
         if kind == "abort":
             raise TransientError(f"request {job.id} aborted by the server: {reason}")
         if kind not in ("stop", "length"):
@@ -133,24 +136,11 @@ class SGLangBackend:
 def check_output_ids(job: GenerationJob, output: list, meta: dict, reason) -> None:
     """BadAnswer unless the output ids are token ids (non-negative ints) whose count agrees with
     `completion_tokens`, the request's budget and, for a reply cut by the limit, its length."""
-    if not all(type(t) is int and t >= 0 for t in output):
-        raise BadAnswer(f"output_ids holds values that are not token ids: {str(output)[:200]}")
-    n = len(output)
-    counted = meta.get("completion_tokens")  # null: not reported
-    if counted is not None and (type(counted) is not int or counted != n):
-        raise BadAnswer(f"wrong token count: the answer holds {n} output ids but "
-                        f"completion_tokens is {counted!r}")
-    if n > job.max_new_tokens:
-        raise BadAnswer(f"wrong token count: {n} output ids, more than max_new_tokens "
-                        f"{job.max_new_tokens}")
+    n = check_generated(output, meta.get("completion_tokens"), job.max_new_tokens)
     cut_at = reason.get("length") if isinstance(reason, dict) else None
-    if reason_kind(reason) == "length" and type(cut_at) is int and cut_at != n:
+    if finish_kind(reason) == "length" and type(cut_at) is int and cut_at != n:
         raise BadAnswer(f"reply cut short: finish_reason says length {cut_at} but the answer "
                         f"holds {n} output ids")
-
-
-def reason_kind(reason) -> str | None:
-    return reason.get("type") if isinstance(reason, dict) else reason
 
 
 @dataclass
