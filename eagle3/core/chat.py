@@ -71,17 +71,34 @@ class ChatRenderer:
     tokenizer: Any
     # Extra keyword arguments for the template, e.g. {"thinking": True}.
     template_kwargs: dict = field(default_factory=dict)
-    # The token that closes an assistant turn; None = the tokenizer's eos token.
+    # The token that closes an assistant turn; None = the special token the template closes an
+    # assistant turn with, else (no such token) the tokenizer's eos token.
     end_of_turn: str | None = None
 
     def __post_init__(self) -> None:
-        eot = self.end_of_turn or self.tokenizer.eos_token
-        self.end_of_turn_id = self.tokenizer.convert_tokens_to_ids(eot)
         self._anchors = _AddedTokens(self.tokenizer)
+        eot = self.end_of_turn or self._template_end_of_turn() or self.tokenizer.eos_token
+        self.end_of_turn_id = self.tokenizer.convert_tokens_to_ids(eot)
         self._cut_after_anchor = self._probe_cut_after_anchor()
         self._backend = self._probe_backend()
         specials = sorted(self._anchors.special, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def _template_end_of_turn(self) -> str | None:
+        """The special token right after an assistant turn's text in the template's rendering
+        (what closes a reply, whatever the tokenizer calls its eos: a GGUF's tokenizer may name
+        another token), or None when the template does not render it so."""
+        sentinel = "xqzreplysentinel7"
+        try:
+            text = self.render_text([{"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": sentinel}], None, False)
+        except RenderError:
+            return None
+        if text.count(sentinel) != 1:
+            return None
+        after = text[text.index(sentinel) + len(sentinel):]
+        return next((t for t in sorted(self._anchors.special, key=len, reverse=True)
+                     if after.startswith(t)), None)
 
     def special_text_in(self, messages: list[dict], tools: list | None = None) -> str | None:
         """Where text that reaches the template holds a special token's string (serving would

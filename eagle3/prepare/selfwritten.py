@@ -28,7 +28,6 @@ template (eagle3/prepare/opening.py) writes a plausible user request.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -43,6 +42,7 @@ from eagle3.core.chat import ChatRenderer
 from eagle3.core.progress import progress
 from eagle3.core.records import RecordError
 from eagle3.core.stage import StageError, atomic_write_json
+from eagle3.generate.jobs import seed_of
 from eagle3.prepare.conversations import split_inline_reasoning
 from eagle3.prepare.dedupe import DuplicateFilter
 from eagle3.prepare.opening import TemplateCutError, derive_opening, next_user_ids
@@ -129,12 +129,6 @@ class SelfWrittenSpec:
     @property
     def max_turns(self) -> int:
         return max(n for n, _ in self.turns)
-
-
-def seed_of(*parts: Any) -> int:
-    """A 63-bit seed from the dataset seed and where it is used (round, batch, ...)."""
-    digest = hashlib.sha256(json.dumps(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
 
 
 @dataclass
@@ -290,7 +284,7 @@ class SelfWriter:
         if finish != "stop":
             return self.tok.decode(ids, skip_special_tokens=False), "too long"
         raw = self.tok.decode(ids[:-1], skip_special_tokens=False)
-        if ids[-1] != self.opening.stop_ids[0]:
+        if not ids or ids[-1] != self.opening.stop_ids[0]:  # a server may answer nothing
             return raw, "not closed"
         text = raw.strip()
         if not text:
@@ -388,7 +382,7 @@ class SelfWriter:
 
     def _reply(self, ids: list[int], finish: str) -> tuple[dict | None, str | None]:
         """The assistant message of a greedy reply, or why the conversation ends before it."""
-        if finish != "stop" or ids[-1] != self.renderer.end_of_turn_id:
+        if finish != "stop" or not ids or ids[-1] != self.renderer.end_of_turn_id:
             return None, "reply not closed"
         msg = {"role": "assistant",
                "content": self.tok.decode(ids[:-1], skip_special_tokens=False)}

@@ -94,6 +94,9 @@ def convert(gguf: Path, out: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if tokenizer.pad_token is None:  # the GGUF may carry none (seen with transformers 5.17)
         tokenizer.pad_token = END_OF_TURN
+    # transformers 5.17 reads the GGUF's eos as <|im_start|> (5.19: <|im_end|>); a reply ends
+    # with <|im_end|> (the template's end of turn, and config.json's eos_token_id 2)
+    tokenizer.eos_token = END_OF_TURN
     tokenizer.save_pretrained(tmp)
     files = {p.name: sha256_of(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest = {"model": "SmolLM2-135M-Instruct", "package": f"{PACKAGE}=={PACKAGE_VERSION}",

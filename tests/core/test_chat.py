@@ -350,3 +350,17 @@ def test_unrendered_tool_use_is_none_when_the_template_renders_tools(kimi, qwen)
     messages, tools = _tool_conversation()
     assert kimi.unrendered_tool_use(messages, tools) is None
     assert qwen.unrendered_tool_use(messages, tools) is None
+
+
+def test_end_of_turn_is_the_token_the_template_closes_a_reply_with_whatever_eos_says():
+    """A tokenizer may name another eos than the template's end of turn (transformers 5.17
+    reads SmolLM2's GGUF with eos <|im_start|>): generation must stop, and loss masks end, at
+    <|im_end|>, what the template renders after a reply. A configured end_of_turn still wins."""
+    tok = build_qwen_like_tokenizer()
+    tok.chat_template = SMOLLM2_TEMPLATE
+    im_end, im_start = (tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_start|>"))
+    assert ChatRenderer(tok).end_of_turn_id == im_end
+    tok.eos_token = "<|im_start|>"
+    assert tok.eos_token_id == im_start
+    assert ChatRenderer(tok).end_of_turn_id == im_end
+    assert ChatRenderer(tok, end_of_turn="<|im_start|>").end_of_turn_id == im_start

@@ -81,6 +81,22 @@ class ListGenerator:
         return out + [([0], "length")] * (len(prompts) - len(out))
 
 
+class RepliesClose:
+    """Wraps a generator: each greedy reply (temperature 0) becomes `reply_ids` closed by the end
+    of turn. A random tiny model whose end of turn is favoured answers a greedy reply with
+    nothing but that token (an empty reply ends the conversation); with a closed reply, the
+    later user turns are sampled by the wrapped generator (the multi-turn path under a seed)."""
+
+    def __init__(self, inner, reply_ids: list[int], eot_id: int):
+        self.inner, self.reply, self.eot = inner, list(reply_ids), eot_id
+
+    def generate_ids(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0):
+        out = self.inner.generate_ids(prompts, max_new_tokens, temperature, top_p, seed)
+        if temperature > 0:
+            return out
+        return [(self.reply + [self.eot], "stop") for _ in out]
+
+
 class Interrupting:
     """Wraps a generator; its call number `at` raises KeyboardInterrupt (a kill mid-round)."""
 

@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from selfwritten_helpers import (
     Interrupting,
     ListGenerator,
+    RepliesClose,
     ScriptedGenerator,
     chatml_target,
     closing_early,
@@ -67,11 +69,18 @@ def scripted(monkeypatch, target: Path) -> None:
                         lambda cfg, renderer: ScriptedGenerator(tok, eot))
 
 
-def real_model(monkeypatch, target: Path) -> None:
-    """eagle3.generate.fast on the tiny target, its end of turn favoured (closing_early)."""
-    eot = load_tokenizer(target).convert_tokens_to_ids("<|im_end|>")
+def real_model(monkeypatch, target: Path, replies_close: bool = False) -> None:
+    """eagle3.generate.fast on the tiny target, its end of turn favoured (closing_early); with
+    `replies_close`, its greedy replies closed after a few tokens (RepliesClose)."""
+    tok = load_tokenizer(target)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
     monkeypatch.setattr(eagle3.core.target, "load_hf_model",
                         closing_early(eagle3.core.target.load_hf_model, eot))
+    if replies_close:
+        build, reply = selfwritten_run.build_generator, tok.encode("Sure, here it is.",
+                                                                   add_special_tokens=False)
+        monkeypatch.setattr(selfwritten_run, "build_generator",
+                            lambda cfg, renderer: RepliesClose(build(cfg, renderer), reply, eot))
 
 
 def out(workdir: Path) -> Path:
@@ -150,6 +159,25 @@ def test_conversations_end_with_a_user_turn_and_have_the_configured_turns(
     assert sw["ended_early"] == {}
 
 
+def test_replies_close_at_the_templates_end_of_turn_when_the_tokenizer_names_another_eos(
+        targets, tmp_path, monkeypatch):
+    """transformers 5.17 reads SmolLM2's GGUF with eos <|im_start|>: the replies, closed by
+    <|im_end|> as the template closes them, must still count as closed (on one H200 every
+    second user turn was lost to 'reply not closed')."""
+    target = tmp_path / "other_eos"
+    shutil.copytree(targets["chatml"], target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "eos_token": "<|im_start|>"}))
+    assert load_tokenizer(target).eos_token == "<|im_start|>"
+    scripted(monkeypatch, target)
+    w = tmp_path / "w"
+    assert run01(w, recipe(tmp_path / "r.json", count=24, turns=TURNS, max_user_tokens=64),
+                 target) == 0
+    sw = manifest_entry(w)["self_written"]
+    assert sw["ended_early"] == {} and set(sw["user_turns"]) == {"1", "2", "3"}
+
+
 def test_a_turn_that_would_not_fit_the_context_limit_ends_the_conversation_early(
         targets, tmp_path, monkeypatch):
     scripted(monkeypatch, targets["kimi"])
@@ -186,7 +214,7 @@ def test_two_self_written_datasets_share_one_target_and_draw_different_prompts(
 
 def test_same_seed_writes_the_same_files_and_another_seed_does_not(
         targets, tmp_path, monkeypatch):
-    real_model(monkeypatch, targets["chatml"])
+    real_model(monkeypatch, targets["chatml"], replies_close=True)
     runs = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         w = tmp_path / name
@@ -195,13 +223,14 @@ def test_same_seed_writes_the_same_files_and_another_seed_does_not(
                      targets["chatml"]) == 0
         runs[name] = [(out(w) / f).read_bytes() for f in ("conversations.jsonl",
                                                           "heldout.jsonl")]
+    assert manifest_entry(tmp_path / "a")["self_written"]["user_turns"].get("2")  # multi-turn
     assert runs["a"] == runs["b"]
     assert runs["a"][0] != runs["c"][0] and runs["a"][1] != runs["c"][1]
 
 
 def test_killed_run_resumes_to_the_conversations_of_an_uninterrupted_one(
         targets, tmp_path, monkeypatch):
-    real_model(monkeypatch, targets["kimi"])
+    real_model(monkeypatch, targets["kimi"], replies_close=True)
     r = recipe(tmp_path / "r.json", count=10, heldout=2, turns=[[1, 0.5], [2, 0.5]],
                reply_max_new_tokens=8)
     assert run01(tmp_path / "whole", r, targets["kimi"]) == 0
@@ -220,7 +249,7 @@ def test_killed_run_resumes_to_the_conversations_of_an_uninterrupted_one(
     whole, resumed = (manifest_entry(tmp_path / d)["self_written"] for d in ("whole", "killed"))
     for info in (whole, resumed):
         info.pop("seconds")
-    assert resumed == whole and whole["rounds"] >= 2
+    assert resumed == whole and whole["rounds"] >= 2 and whole["user_turns"].get("2")
 
 
 def test_sigterm_stops_before_the_next_batch_and_a_rerun_finishes_the_same_dataset(
