@@ -7,7 +7,8 @@ Prompts: the repo's chat prompts (`datasets/samples/chat_prompts.jsonl` and the 
 files, as 05's `--prompt-sets`), cycled to `--num-prompts` and sorted longest first into fixed
 batches as 01b does. Rows, greedy unless named, in `--dtype` (bf16) unless named:
 
-- `generate b256`: `HFGenerator` on the first `--generate-batches` batches only (~4K tok/s);
+- `generate b256`: `HFGenerator` on the first `--generate-batches` batches only (1.5K tok/s
+  for SmolLM2 in bf16 on an H100);
   `generate b128`: the same prompts in half-size batches, whose share of outputs identical to
   `generate b256`'s is the floor for bf16 (near-ties flip with the batch shape);
 - `fast b256` (grouped decode attention, the default), `fast b256 expanded` (transformers' own
@@ -50,7 +51,7 @@ from eagle3.bench.prompts import load_prompt_set  # noqa: E402
 from eagle3.core.chat import ChatRenderer  # noqa: E402
 from eagle3.core.target import load_hf_model, load_tokenizer  # noqa: E402
 from eagle3.generate.fast import FastGenerator  # noqa: E402
-from eagle3.generate.jobs import GenerationJob, HFGenerator  # noqa: E402
+from eagle3.generate.jobs import GenerationJob, HFGenerator, padding_id  # noqa: E402
 
 DEFAULT_PROMPTS = [str(ROOT / "datasets/samples/chat_prompts.jsonl"), "chat", "code", "math"]
 
@@ -112,8 +113,9 @@ def measure(name: str, args, fn, prompts) -> tuple[dict, list]:
     return row, outputs
 
 
-def compare(outputs, reference) -> dict:
-    """Share of outputs identical to the reference's, and the first differing positions."""
+def compare(outputs, reference, prompts) -> dict:
+    """Share of outputs identical to the reference's, and the first differing positions;
+    `prompts` (theirs) counts the distinct ones (cycled prompts repeat, sorted side by side)."""
     firsts = []
     for (got, _), (want, _) in zip(outputs, reference):
         if got != want:
@@ -121,6 +123,7 @@ def compare(outputs, reference) -> dict:
                                min(len(got), len(want))))
     n = len(reference)
     return {"identical": round(1 - len(firsts) / n, 4), "compared": n,
+            "compared_distinct": len({tuple(p) for p in prompts[:n]}),
             "first_divergence": sorted(firsts)[:32],
             "first_divergence_median": statistics.median(firsts) if firsts else None}
 
@@ -153,7 +156,7 @@ def fast_row(name: str, args, model, tokens: tuple, prompts, options: dict,
                decode_attention=gen.decode_attention, kv_gb=round(s.kv_bytes / 1e9, 2),
                **{k: v for k, v in asdict(s).items() if k not in ("tokens", "kv_bytes")})
     if reference is not None:
-        row.update(compare(outputs[: len(reference)], reference))
+        row.update(compare(outputs[: len(reference)], reference, prompts))
     return row, outputs
 
 
@@ -168,7 +171,7 @@ def load(args, dtype: str):
 def run(args) -> dict:
     tokenizer = load_tokenizer(args.target, args.trust_remote_code)
     eos = ChatRenderer(tokenizer).end_of_turn_id
-    tokens = ([eos], eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id)
+    tokens = ([eos], padding_id(tokenizer, eos))
     prompts = load_prompts(args, tokenizer)
     print(f"{len(prompts)} prompts of {len(prompts[-1])}-{len(prompts[0])} tokens, budget "
           f"{args.max_new_tokens}", flush=True)
@@ -179,7 +182,7 @@ def run(args) -> dict:
     row, reference = generate_row(f"generate b{b0}", args, model, tokens, head, b0)
     rows = [row]
     row, floor = generate_row(f"generate b{b0 // 2}", args, model, tokens, head, b0 // 2)
-    rows.append({**row, **compare(floor, reference)})
+    rows.append({**row, **compare(floor, reference, head)})
     plan = [(f"fast b{b0}", {"batch": b0}),
             (f"fast b{b0} expanded", {"batch": b0, "decode_attention": "expanded"})]
     plan += [(f"fast b{b}", {"batch": b}) for b in args.batch_sizes[1:]]

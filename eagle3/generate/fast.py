@@ -35,11 +35,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from eagle3.core.stage import StageError
+from eagle3.generate.jobs import GenerationJob, cut_output, seed_of
 from eagle3.generate.static_cache import DECODE_ATTENTION, DecodeState, decode_sdpa, new_state
 
 log = logging.getLogger(__name__)
@@ -85,23 +86,17 @@ class _Sampling:
     gen: torch.Generator | None  # the seeded source of the noise (None when greedy)
 
 
-def cut_output(row: list[int], budget: int, eos_ids) -> tuple[list[int], str]:
-    """Generated ids cut to `budget` and after the first eos id (kept): (ids, 'stop'|'length')."""
-    row = row[:budget]
-    stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
-    return (row, "length") if stop is None else (row[: stop + 1], "stop")
-
-
 def _bucket(n: int) -> int:
     return -(-n // SLOT_BUCKET) * SLOT_BUCKET
 
 
 def _pick(logits_RV, temperature: float, top_p: float, noise_RV):
-    """The next token per row: argmax in float32 (as GenerationMixin), or Gumbel-max over the
-    top-p nucleus of logits / temperature with `noise_RV` uniform in [0, 1)."""
-    logits = logits_RV.float()
+    """The next token per row: argmax (of the logits as they come: a float32 copy, as
+    GenerationMixin makes, is exact and keeps their order), or Gumbel-max over the top-p nucleus
+    of logits / temperature with `noise_RV` uniform in [0, 1)."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return logits_RV.argmax(-1)
+    logits = logits_RV.float()
     logits = logits / temperature
     if top_p < 1:
         sorted_logits, order = logits.sort(-1, descending=True)
@@ -400,6 +395,8 @@ class FastGenerator:
             with torch.cuda.graph(graph, pool=st.pool, stream=self._stream):
                 self._step(st, kv_len, sampling)
             torch.cuda.synchronize(self.device)
+        except torch.OutOfMemoryError:  # a RuntimeError, but the batch's, not the capture's
+            raise
         except RuntimeError as e:  # torch reports capture faults (a host sync, ...) this way
             graph, self.cuda_graphs = None, False
             self.stats.eager_reason = (f"CUDA graph capture failed at {kv_len} slots "
@@ -413,3 +410,26 @@ class FastGenerator:
         log.debug("captured the decode step at %d slots (rows %d) in %.2fs", kv_len, st.rows,
                   time.perf_counter() - t0)
         return graph
+
+
+class FastJobGenerator:
+    """The hf backend's default engine (`--hf-engine fast`): `eagle3.generate.fast.
+    FastGenerator` on jobs, greedy or sampled. A sampled batch draws from a seed of its first
+    record id, so a resumed run (the same fixed batches) writes what an uninterrupted one did."""
+
+    def __init__(self, model, eos_ids: list[int], pad_id: int, batch_size: int,
+                 temperature: float = 0.0):
+        self.fast = FastGenerator(model, eos_ids, pad_id, max_batch=batch_size)
+        self.temperature = temperature
+
+    def generate(self, jobs: list[GenerationJob]) -> list[tuple[list[int], str]]:
+        return self.fast.generate_ids([j.prompt_ids.tolist() for j in jobs],
+                                      [j.max_new_tokens for j in jobs], self.temperature,
+                                      seed=seed_of(jobs[0].id))
+
+    def take_stats(self) -> dict:
+        """The engine's counts since the last call (`GenerationStats`: graphs, steps, times)."""
+        stats = self.fast.stats
+        self.fast.stats = replace(type(stats)(), kv_bytes=stats.kv_bytes,
+                                  eager_reason=stats.eager_reason)
+        return asdict(stats)

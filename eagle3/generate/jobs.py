@@ -245,8 +245,6 @@ class HFGenerator:
         """(output ids, finish reason) per job; output stops after the first eos id."""
         import torch
 
-        from eagle3.generate.fast import cut_output
-
         device = self.model.device
         width = max(len(j.prompt_ids) for j in jobs)
         ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
@@ -267,35 +265,26 @@ class HFGenerator:
                 for j, row in zip(jobs, out, strict=True)]
 
 
-class FastJobGenerator:
-    """The hf backend's default engine (`--hf-engine fast`): `eagle3.generate.fast.
-    FastGenerator` on jobs, greedy or sampled. A sampled batch draws from a seed of its first
-    record id, so a resumed run (the same fixed batches) writes what an uninterrupted one did."""
-
-    def __init__(self, model, eos_ids: list[int], pad_id: int, batch_size: int,
-                 temperature: float = 0.0):
-        from eagle3.generate.fast import FastGenerator
-
-        self.fast = FastGenerator(model, eos_ids, pad_id, max_batch=batch_size)
-        self.temperature = temperature
-
-    def generate(self, jobs: list[GenerationJob]) -> list[tuple[list[int], str]]:
-        seed = int.from_bytes(hashlib.sha256(jobs[0].id.encode()).digest()[:8], "little")
-        return self.fast.generate_ids([j.prompt_ids.tolist() for j in jobs],
-                                      [j.max_new_tokens for j in jobs], self.temperature,
-                                      seed=seed & (2 ** 63 - 1))
-
-    def take_stats(self) -> dict:
-        """The engine's counts since the last call (`GenerationStats`: graphs, steps, times)."""
-        from dataclasses import asdict, replace
-
-        stats = self.fast.stats
-        self.fast.stats = replace(type(stats)(), kv_bytes=stats.kv_bytes,
-                                  eager_reason=stats.eager_reason)
-        return asdict(stats)
+def seed_of(*parts) -> int:
+    """A 63-bit sampling seed from what names a batch (a dataset seed, a round, a record id)."""
+    digest = hashlib.sha256(json.dumps(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
 
 
-def run_generation(jobs: list[GenerationJob], generator: HFGenerator | FastJobGenerator, sink: RecordSink,
+def padding_id(tokenizer, fallback: int) -> int:
+    """The id left padding uses: the tokenizer's pad token, else `fallback` (an eos id; padded
+    positions are masked, so any id serves)."""
+    return fallback if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
+def cut_output(row: list[int], budget: int, eos_ids) -> tuple[list[int], str]:
+    """Generated ids cut to `budget` and after the first eos id (kept): (ids, 'stop'|'length')."""
+    row = row[:budget]
+    stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
+    return (row, "length") if stop is None else (row[: stop + 1], "stop")
+
+
+def run_generation(jobs: list[GenerationJob], generator, sink: RecordSink,
                    done: set[str], batch_size: int, bar, stop=None) -> dict:
     """hf backend: generate every job not in `done` in fixed batches; returns the sink's counts.
     `stop` (an `eagle3.core.faults.StopSignals`) is checked after each batch is written.

@@ -23,14 +23,15 @@ from eagle3.core.stage import STAGE_DIRS, Quarantine, Stage, StageResult, atomic
 from eagle3.core.target import load_hf_model, load_tokenizer
 from eagle3.generate.backends import OpenAIBackend, SGLangBackend
 from eagle3.generate.config import GenerateConfig
+from eagle3.generate.fast import FastJobGenerator
 from eagle3.generate.inputs import read_conversations
 from eagle3.generate.jobs import (
-    FastJobGenerator,
     HFGenerator,
     RecordSink,
     build_job,
     done_ids,
     line_ids,
+    padding_id,
     run_generation,
     tokenize_kept,
     write_in_job_order,
@@ -49,7 +50,7 @@ def build_generator(cfg: GenerateConfig, renderer: ChatRenderer, tokenizer,
     if cfg.backend == "hf":
         model = load_hf_model(cfg.target, cfg.dtype, cfg.device, cfg.trust_remote_code)
         eos = renderer.end_of_turn_id
-        pad = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        pad = padding_id(tokenizer, eos)
         if cfg.hf_engine == "fast":
             return FastJobGenerator(model, [eos], pad, cfg.batch_size, cfg.temperature)
         return HFGenerator(model, [eos], pad)

@@ -28,6 +28,7 @@ from eagle3.core.stage import atomic_write_bytes, atomic_write_json
 from eagle3.prepare.config import PrepareConfig
 from eagle3.prepare.opening import TemplateCutError, derive_opening
 from eagle3.prepare.recipes import DatasetSpec, Recipe, RecipeError
+from eagle3.prepare.rows import json_line
 from eagle3.prepare.selfwritten import SelfWriter, SelfWrittenError, writer_summary
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,8 @@ def write_self_written(cfg: PrepareConfig, stage_dir: Path, specs: list[DatasetS
                                          {**writer_summary(writer), "fingerprint": fp,
                                           "backend": cfg.gen_backend, "heldout_file": HELDOUT})
             atomic_write_bytes(out[spec.name].conversations,
-                               b"".join(_line(c) for c in st.conversations))
-            atomic_write_bytes(out[spec.name].heldout, b"".join(_line(h) for h in st.heldout))
+                               b"".join(json_line(c) for c in st.conversations))
+            atomic_write_bytes(out[spec.name].heldout, b"".join(json_line(h) for h in st.heldout))
             atomic_write_json(cache / "stats.json", out[spec.name].info)
     return out
 
@@ -135,14 +136,10 @@ def build_generator(cfg: PrepareConfig, renderer: ChatRenderer):
         return ServerGenerator(cfg.server_url, stops, cfg.gen_batch_size)
     from eagle3.core.target import load_hf_model
     from eagle3.generate.fast import FastGenerator
+    from eagle3.generate.jobs import padding_id
 
     model = load_hf_model(cfg.target, cfg.dtype, cfg.device, cfg.trust_remote_code)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
-    return FastGenerator(model, stops, pad, max_batch=cfg.gen_batch_size)
-
-
-def _line(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n"
+    return FastGenerator(model, stops, padding_id(tok, stops[0]), max_batch=cfg.gen_batch_size)
 
 
 def summary_rows(name: str, info: dict) -> dict:

@@ -23,7 +23,7 @@ from eagle3.core.server import (
     make_session,
     wait_ready,
 )
-from eagle3.prepare.selfwritten import seed_of
+from eagle3.generate.jobs import seed_of
 
 READY_TIMEOUT_S = 1800.0  # wait this long for the server to answer /model_info at start
 REQUEST_TIMEOUT_S = 3600.0  # per request (a user turn or a reply of a few hundred tokens)

@@ -35,6 +35,7 @@ def test_bench_generate_runs_generate_and_fast_rows_and_writes_its_json(tmp_path
     assert rows["generate b4"]["prompts"] == 4 and rows["fast b4"]["prompts"] == 6
     for name in ("generate b2", "fast b4", "fast b4 expanded", "fast b8", "fast b4 float32"):
         assert rows[name]["identical"] == 1.0 and rows[name]["compared"] == 4, name
+        assert rows[name]["compared_distinct"] == 4, name  # 6 prompts of a pool of 256
     assert rows["fast b4"]["decode_attention"] == "grouped"
     assert rows["fast b4 expanded"]["decode_attention"] == "expanded"
     assert "identical" not in rows["fast b4 T=1"]
