@@ -27,6 +27,26 @@ COMPARE_ROWS = {
 STEPS = ("3", "7")
 
 
+def main_layout(stages: dict) -> str:
+    """The storage layout of main's states in a collected summary's stages ("02b main (fp8)"
+    -> "fp8"; bf16 when no main 02b ran): the profile's `main_dtype`."""
+    for label in stages or {}:
+        if label.startswith("02b main (") and label.endswith(")"):
+            return label[len("02b main ("):-1]
+    return "bf16"
+
+
+def compare_rows(stages: dict) -> dict[str, tuple[str, str, str]]:
+    """COMPARE_ROWS with main's states named by their layout: the drafts trained on main's
+    states read fp8 files where the profile stores main's states in fp8 (`h200-chat`)."""
+    layout = main_layout(stages)
+    if layout == "bf16":
+        return dict(COMPARE_ROWS)
+    return {key: (label.replace("bf16 states", f"{layout} states"), train,
+                  f"02b main ({layout})" if states == "02b main (bf16)" else states)
+            for key, (label, train, states) in COMPARE_ROWS.items()}
+
+
 def _step(sweep: dict | None, steps: str) -> dict:
     m = ((sweep or {}).get("steps") or {}).get(steps) or {}
     share = m.get("loop_share", (m.get("loop") or {}).get("share"))
@@ -44,7 +64,7 @@ def comparison_rows(summary: dict) -> list[dict]:
     every row of COMPARE_ROWS, with None for what the run did not produce."""
     stages, params = summary.get("stages") or {}, summary.get("draft_params") or {}
     rows = []
-    for key, (label, train, extract) in COMPARE_ROWS.items():
+    for key, (label, train, extract) in compare_rows(stages).items():
         sweep = (summary.get("sweeps") or {}).get(key)
         outputs = ((stages.get(train) or {}).get("manifest") or {}).get("outputs") or {}
         rows.append({"key": key, "label": label, "evaluated": sweep is not None,

@@ -18,7 +18,7 @@ from pathlib import Path
 from eagle3.core.progress import human_bytes
 from eagle3.core.records import read_jsonl
 from eagle3.core.stage import STAGE_DIRS, atomic_write_bytes, atomic_write_json
-from reference.compare import COMPARE_ROWS, comparison_md, comparison_rows
+from reference.compare import COMPARE_ROWS, comparison_md, comparison_rows, main_layout
 
 GiB = 2**30
 
@@ -281,13 +281,21 @@ LAYOUT_STAGES = {"main": "02b main (bf16)", "fp8": "02b fp8", "fp8_all": "02b fp
                  "topk": "02b topk", "topk_tail": "02b topk"}
 
 
+def layout_sweeps(s: dict) -> list[tuple[str, str]]:
+    """LAYOUT_SWEEPS with main's row named by the layout its states were stored in."""
+    layout = main_layout(s["stages"])
+    return [(f"{layout} states (main)" if key == "main" and layout != "bf16" else label, key)
+            for label, key in LAYOUT_SWEEPS]
+
+
 def _layout_bytes_md(s: dict) -> list[str]:
     """Measured bytes/token of each layout's files here, and the same layouts at Kimi size."""
     from eagle3.core.hidden_states import bytes_per_token
 
     parts = []
-    for label, key in LAYOUT_SWEEPS:
-        th = (s["stages"].get(LAYOUT_STAGES[key]) or {}).get("throughput") or {}
+    for label, key in layout_sweeps(s):
+        stage = f"02b main ({main_layout(s['stages'])})" if key == "main" else LAYOUT_STAGES[key]
+        th = (s["stages"].get(stage) or {}).get("throughput") or {}
         parts.append(f"{label} {_f(th.get('bytes_per_token'), '{:,.0f}')}")
     kimi = {d: bytes_per_token(7168, d, 64) for d in ("bf16", "fp8", "fp8-all", "fp8-topk")}
     return ["Bytes per token of the files (02b manifest disk bytes / tokens, file overhead "
@@ -347,7 +355,7 @@ def markdown(s: dict) -> str:
            "### Stages (time, throughput, disk, peak GPU memory)", "", *_stages_md(s),
            "### Acceptance on held-out prompts (05, offline hf evaluator)", "", *_bench_md(s),
            "### bf16 vs fp8 and compact storage layouts (same run, same prompts)", "",
-           *_sweep_md(s, LAYOUT_SWEEPS), *_layout_bytes_md(s),
+           *_sweep_md(s, layout_sweeps(s)), *_layout_bytes_md(s),
            "### Acceptance vs training data size", "",
            *_sweep_md(s, [(k.replace("_", " ") + " samples", k) for k in sizes]
                       + [("all samples", "main")]),

@@ -172,6 +172,28 @@ def test_comparison_rows_set_each_draft_against_main_on_its_own_states():
     assert "16 x 160 prompts x tokens" in md
 
 
+
+def test_main_stored_in_fp8_is_named_fp8_with_its_own_files_bytes():
+    """h200-chat stores main's states in fp8 (02b main (fp8)): the summary must not call them
+    bf16, and main's bytes/token are those of the fp8 files."""
+    from reference.report import layout_sweeps
+
+    summary = {"sweeps": {"main": _sweep(2.3, 2.6), "mla": _sweep(2.2, 2.5)},
+               "stages": {"04 main": _stage(tok_s=250_000),
+                          "02b main (fp8)": _stage(bytes_per_token=2921.0)},
+               "draft_params": {}}
+    rows = {r["key"]: r for r in comparison_rows(summary)}
+    assert rows["main"]["label"] == "Llama-style, fp8 states (main)"
+    assert rows["main"]["bytes_per_token"] == 2921.0
+    assert rows["mla"]["label"] == "MLA, fp8 states" and rows["mla"]["bytes_per_token"] == 2921.0
+    assert rows["fp8"]["states_stage"] == "02b fp8"  # a layout run keeps its own files
+    md = "\n".join(comparison_md(list(rows.values())))
+    assert "bf16 states" not in md
+    assert layout_sweeps(summary)[0] == ("fp8 states (main)", "main")
+    bf16 = {"sweeps": {}, "stages": {"02b main (bf16)": _stage(bytes_per_token=4600.0)}}
+    assert layout_sweeps(bf16)[0] == ("bf16 states", "main")
+    assert comparison_rows(bf16)[0]["label"] == "Llama-style, bf16 states (main)"
+
 # ---------------------------------------------------------------- follow.py
 
 
