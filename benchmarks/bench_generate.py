@@ -15,8 +15,9 @@ batches as 01b does. Rows, greedy unless named, in `--dtype` (bf16) unless named
   sdpa call on a cache of every query head): all prompts, the first batches compared with
   `generate b256` token for token (identical share; where not, the first position that differs);
 - `fast bN` for the other `--batch-sizes`, and `fast b256 T=1` (sampled, `--temperature`);
-- `generate/fast b256 float32`: the first `--float32-prompts` prompts with the target in float32,
-  where rounding cannot flip a token: the fast engine's outputs must be generate's.
+- `generate/fast b256 float32`: the first `--float32-prompts` distinct prompts (01b's order,
+  repeats left out) with the target in float32, where rounding cannot flip a token: the fast
+  engine's outputs must be generate's.
 
 Each row: prompts, generated tokens (through eos), seconds, generated tok/s (with and without
 graph capture), the ratio to generate's, identical share, peak GPU memory, cache size, graphs
@@ -72,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0,
                    help="the sampled row's temperature (0 = no sampled row)")
     p.add_argument("--float32-prompts", type=int, default=256,
-                   help="prompts of the float32 rows (0 = none)")
+                   help="distinct prompts of the float32 rows (0 = none)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", type=Path, default=None,
@@ -87,6 +88,16 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
             for ids in load_prompt_set(spec, ROOT, renderer).prompts]
     prompts = list(itertools.islice(itertools.cycle(pool), args.num_prompts))
     return sorted(prompts, key=len, reverse=True)
+
+
+def distinct(prompts: list[list[int]]) -> list[list[int]]:
+    """`prompts` without repeats, in their order (cycling puts copies side by side)."""
+    seen, out = set(), []
+    for ids in prompts:
+        if tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            out.append(ids)
+    return out
 
 
 def sync(device: str) -> float:
@@ -195,7 +206,7 @@ def run(args) -> dict:
     if args.float32_prompts:
         del model
         model = load(args, "float32")
-        fp = prompts[: args.float32_prompts]
+        fp = distinct(prompts)[: args.float32_prompts]  # the identity claim: no repeats
         row, ref32 = generate_row(f"generate b{b0} float32", args, model, tokens, fp, b0)
         rows += [row, fast_row(f"fast b{b0} float32", args, model, tokens, fp, {"batch": b0},
                                ref32)[0]]
