@@ -90,6 +90,7 @@ if steps:
 
 case "${1:-}" in
 part)
+    case "${2:-}" in a|b) ;; *) echo "usage: $0 part a|b" >&2; exit 2 ;; esac
     mkdir -p "$W/gguf" && cp ".gguf_$2/part_$2" "$W/gguf/" || exit 1
     nvidia-smi -L; df -h /tmp | tail -1; nproc; free -g | head -2
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
