@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     rows["top tokens"] = json.dumps([t["token"] for t in rep["top_tokens"][:10]],
                                     ensure_ascii=False)[:120]
     rows["bad lines skipped"] = (f"{bad.count} ({bad.path})" if bad.count else "0")
+    if bad.first:  # named here too: a run at --log-level ERROR shows no warning
+        rows["first bad line"] = bad.first[:160]
     rows["report"] = str(stage.dir / "report.json")
     rows.update({f"WARNING {i + 1}": w for i, w in enumerate(rep["warnings"])})
     rows["time"] = human_seconds(time.time() - t0)

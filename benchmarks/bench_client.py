@@ -92,7 +92,7 @@ async def run_stage_client(jobs, urls, concurrency, out_dir: Path) -> dict:
     sink = RecordSink(out_dir)
     cfg = RunnerConfig(concurrency=concurrency, long_concurrency=concurrency,
                        long_context_threshold=10**9, max_attempts=6,
-                       server_down_timeout_s=1800.0, poll_s=5.0)
+                       server_down_timeout_s=1800.0, poll_s=5.0, probe_timeout_s=30.0)
     async with make_session(concurrency + 8) as session:
         counts = await GenerationRun(backend, sink, cfg, backend.policy, _NoBar()).run(
             jobs, session)

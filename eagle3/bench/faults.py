@@ -5,7 +5,8 @@
   dropped connection or a bad answer; then `RequestFailed`. The figures of a retried request
   are those of its successful attempt (its record says how many attempts it took).
 - `check_answer`: every count of an answer against what is possible (`AnswerLimits`). It is
-  bad (`BadAnswer`, retried) when its ids are not token ids or more than `max_new_tokens`, a
+  bad (`BadAnswer`, retried) when it names another request (`meta_info.id`, as 01b checks), its
+  ids are not token ids, lie outside the target's vocabulary or are more than `max_new_tokens`, a
   count is not a non-negative int (null: not reported), `completion_tokens` disagrees with the
   ids it carried, `prompt_tokens` with the ids sent, `cached_tokens` exceeds the prompt,
   `spec_verify_ct` is more than the tokens (acceptance below 1) or too few for them (more than
@@ -36,6 +37,7 @@ from eagle3.core.server import (
     ServerError,
     TransientError,
     check_generated,
+    check_rid,
     finish_kind,
 )
 from eagle3.core.stage import StageError
@@ -91,6 +93,8 @@ class AnswerLimits:
     # A speculative server's: the most tokens one verify round commits (steps + 1; None: no
     # bound known, or no draft).
     round_tokens: int | None = None
+    vocab_size: int | None = None  # the target's (None: no --target): no output id reaches it
+    rid: str | None = None  # the request's id, which SGLang's meta_info.id echoes
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,10 @@ def check_answer(ids: list[int], meta: dict, limits: AnswerLimits, what: str) ->
     """The answer's counts; BadAnswer for one whose counts cannot be (module docstring)."""
     if not isinstance(meta, dict):
         raise BadAnswer(f"{what}: meta_info is {repr(meta)[:100]}, not an object")
-    n = check_generated(ids, meta.get("completion_tokens"), limits.max_new_tokens, what)
+    if limits.rid is not None:
+        check_rid(meta, limits.rid, what)
+    n = check_generated(ids, meta.get("completion_tokens"), limits.max_new_tokens, what,
+                        limits.vocab_size)
     sent = limits.prompt_tokens
     prompt, cached, verify = (_count(meta, k, what) for k in (
         "prompt_tokens", "cached_tokens", "spec_verify_ct"))

@@ -65,6 +65,7 @@ from eagle3.core.launcher import LaunchedServer
 from eagle3.core.loops import loop_stats
 from eagle3.core.progress import progress
 from eagle3.core.records import JsonlAppender
+from eagle3.core.target import read_target_info
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class LoadSettings:
     # on /metrics instead (eagle3/bench/vllm_metrics.py).
     speculative: bool = False
     round_tokens: int | None = None
+    vocab_size: int | None = None  # the target's (None: no --target); output ids stay below
 
     def warmup(self, max_new_tokens: int) -> LoadSettings:
         return dataclasses.replace(
@@ -172,12 +174,13 @@ async def _attempts(session, base_url: str, prompt: list[int], p: int, rid: str,
                     load: LoadSettings, send: Send) -> RequestRecord:
     """One request with its retries (eagle3/bench/faults.py); its good answer as a record."""
     limits = AnswerLimits(load.sampling_params["max_new_tokens"], len(prompt),
-                          load.round_tokens if load.speculative else None)
+                          load.round_tokens if load.speculative else None, load.vocab_size)
 
     async def attempt(n: int):
         attempt_rid = rid if n == 0 else f"{rid}-retry{n}"  # a hung first attempt keeps its rid
         ids, meta, ttft, latency = await send(session, base_url, prompt, attempt_rid, load)
-        counts = check_answer(ids, meta, limits, f"{base_url}: request {attempt_rid}")
+        counts = check_answer(ids, meta, dataclasses.replace(limits, rid=attempt_rid),
+                              f"{base_url}: request {attempt_rid}")
         return ids, counts, ttft, latency
 
     (ids, c, ttft, latency), attempts = await with_retries(
@@ -297,7 +300,9 @@ def measure_roles(cfg: BenchmarkConfig, prompt_sets: list[PromptSet], stage_dir:
     failed_sink and stop. A stop raises PartialRun holding what both roles measured."""
     load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature},
                         cfg.stream, timeout_s=cfg.request_timeout_s, retries=cfg.retries,
-                        retry_delay_s=cfg.retry_delay_s)
+                        retry_delay_s=cfg.retry_delay_s,
+                        vocab_size=(read_target_info(cfg.target).vocab_size
+                                    if cfg.target is not None else None))
     n = sum(max(len(ps.prompts), 2 * c) for ps in prompt_sets for c in cfg.concurrency)
     bar = progress(total=2 * n, desc="05 requests", unit="req")
     for name in (REQUESTS_FILE, FAILED_FILE):  # a re-run measures afresh
@@ -392,16 +397,32 @@ def check_lossless(measured: dict, temperature: float) -> tuple[int | None, list
     return total, notes
 
 
+def speedup_error(base: dict | None, spec: dict) -> str | None:
+    """Why a level has no speedup (None: it has one): a side measured nothing, so the ratio
+    would be a 0 or a division, not a measurement."""
+    for role, s in (("baseline", base), ("speculative", spec)):
+        if s is None:
+            return f"no {role} level measured"
+        if not s["requests"] or s["total_tok_s"] <= 0:
+            failed = s.get("failed_requests", 0)
+            return (f"every {role} request failed ({failed} in failed_requests.jsonl)"
+                    if failed else f"no {role} request measured")
+    return None
+
+
 def combine(baseline: dict, speculative: dict) -> dict:
-    """{set: {concurrency: {baseline, speculative, speedup, per_request_speedup}}}."""
+    """{set: {concurrency: {baseline, speculative, speedup, per_request_speedup,
+    speedup_error}}}; the speedups are None, with `speedup_error` saying why, when a side
+    measured nothing."""
     out = {}
     for name, levels in speculative.items():
         out[name] = {}
         for c, spec in levels.items():
             base = baseline.get(name, {}).get(c)
+            error = speedup_error(base, spec)
             row = {"baseline": base, "speculative": spec, "speedup": None,
-                   "per_request_speedup": None}
-            if base and base["total_tok_s"] > 0:
+                   "per_request_speedup": None, "speedup_error": error}
+            if error is None:
                 row["speedup"] = spec["total_tok_s"] / base["total_tok_s"]
                 row["per_request_speedup"] = spec["per_request_tok_s"] / base["per_request_tok_s"]
             out[name][c] = row

@@ -147,10 +147,12 @@ def _lossless_line(results: dict) -> str:
 
 
 def _fault_notes(levels: dict) -> list[str]:
-    """Lines under a table: requests that failed for good, acceptance that cannot be figured,
-    outputs that are not lossless."""
+    """Lines under a table: requests that failed for good, acceptance or a speedup that cannot
+    be figured, outputs that are not lossless."""
     notes = []
     for c, row in levels.items():
+        if row.get("speedup_error"):
+            notes.append(f"- c={c}: speedup \"-\": {row['speedup_error']}")
         for role in ("baseline", "speculative"):
             s = row.get(role) or {}
             if s.get("failed_requests"):
@@ -219,14 +221,17 @@ def summary_rows(results: dict) -> tuple[dict, dict, bool]:
         for c, row in r.items():
             acc = row["speculative"]["acceptance_length"]
             outputs[f"{name} c={c}"] = acc
-            slower = " (SLOWER than no draft)" if (row["speedup"] or 0) < 1 else ""
+            speedup = row["speedup"]
+            speedup_text = (f"{speedup:.2f}x" + (" (SLOWER than no draft)" if speedup < 1
+                                                 else "")
+                            if speedup is not None
+                            else f"- ({row.get('speedup_error') or 'not measured'})")
             loops = row["speculative"].get("loop_share")
             failed = sum((row.get(role) or {}).get("failed_requests", 0)
                          for role in ("baseline", "speculative"))
             spec = row["speculative"]
             rows[f"{name} c={c}"] = (f"acceptance {_f(acc, '.3f')} (loop share "
-                                     f"{_f(loops, '.0%')}), speedup "
-                                     f"{row['speedup'] or 0:.2f}x{slower}"
+                                     f"{_f(loops, '.0%')}), speedup {speedup_text}"
                                      + (f", {failed} requests FAILED" if failed else "")
                                      + (f", {spec['lossless_mismatches']} outputs NOT lossless"
                                         if spec.get("lossless_mismatches") else "")

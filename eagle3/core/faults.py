@@ -70,6 +70,7 @@ class BadRecords:
         self.max_bad, self.flag = max_bad, flag
         self.reasons: dict[str, int] = {}
         self.seen: set[str] = set()
+        self.first: str | None = None  # the first record skipped by this run, as logged
         if self.path.exists():
             for row in read_jsonl(self.path):
                 self._count(str(row.get("id")), row.get("reason", ""))
@@ -97,7 +98,9 @@ class BadRecords:
             self._out.write({"id": record_id, "file": None if file is None else str(file),
                              "reason": reason})
             self._count(record_id, reason)
-            log.warning("skipped %s%s: %s", record_id, f" ({file})" if file else "", reason)
+            where = f"{record_id}{f' ({file})' if file else ''}: {reason}"
+            self.first = self.first or where
+            log.warning("skipped %s", where)
         if 0 <= self.max_bad < self.count:
             self.close()
             raise TooManyBad(f"{self.count} bad records, more than {self.flag} {self.max_bad}: "

@@ -26,6 +26,7 @@ import itertools
 import json
 import logging
 import random
+import re
 from dataclasses import dataclass
 
 import aiohttp
@@ -68,13 +69,20 @@ def finish_kind(reason) -> str | None:
     return reason.get("type") if isinstance(reason, dict) else reason
 
 
-def check_generated(ids, completion_tokens, max_new_tokens: int, what: str = "") -> int:
+def check_generated(ids, completion_tokens, max_new_tokens: int, what: str = "",
+                    vocab_size: int | None = None) -> int:
     """The number of generated ids, after BadAnswer unless they are token ids (non-negative
-    ints), `completion_tokens` (None: not reported) is that count, and it is within the
-    request's `max_new_tokens`; `what` names the request in the message."""
+    ints, below `vocab_size` when given: the target's lm_head rows, the only ids it can emit),
+    `completion_tokens` (None: not reported) is that count, and it is within the request's
+    `max_new_tokens`; `what` names the request in the message. 01b's and 05's one check of
+    generated ids."""
     at = f"{what}: " if what else ""
     if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
         raise BadAnswer(f"{at}output ids that are not token ids: {str(ids)[:200]}")
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        i = next(i for i, t in enumerate(ids) if t >= vocab_size)
+        raise BadAnswer(f"{at}output id {ids[i]} (position {i}) outside the target's "
+                        f"vocabulary of {vocab_size}: not the target's answer")
     n = len(ids)
     if completion_tokens is not None and (type(completion_tokens) is not int
                                           or completion_tokens < 0):
@@ -87,6 +95,16 @@ def check_generated(ids, completion_tokens, max_new_tokens: int, what: str = "")
         raise BadAnswer(f"{at}wrong token count: {n} tokens, more than max_new_tokens "
                         f"{max_new_tokens}")
     return n
+
+
+def check_rid(meta: dict, rid: str, what: str = "") -> None:
+    """BadAnswer when SGLang's `meta_info.id` (None: not reported) names another request than
+    `rid`: the answer of another request, whatever its counts."""
+    got = meta.get("id")
+    if got is not None and got != rid:
+        at = f"{what}: " if what else ""
+        raise BadAnswer(f"{at}the answer of another request: meta_info.id is "
+                        f"{str(got)[:120]!r}, the request was {rid!r}")
 
 
 @dataclass
@@ -168,8 +186,10 @@ async def post_once(session: aiohttp.ClientSession, url: str, payload: dict, tim
         raise TransientError(f"{url}: cannot connect for {what}: {e}", unreachable=True) from e
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         raise TransientError(f"{url}: connection dropped during {what}: {e!r}") from e
+    except aiohttp.ClientError as e:  # a reply that is not HTTP (a chunk size not in hex, ...)
+        raise TransientError(f"{url}: malformed HTTP answer for {what}: {e!r}"[:500]) from e
     except asyncio.TimeoutError as e:
-        raise TransientError(f"{url}: no answer within {timeout_s:.0f}s for {what}") from e
+        raise TransientError(f"{url}: no answer within {timeout_s:g}s for {what}") from e
     try:  # every endpoint we call answers a JSON object
         return json_object(body, content_type, url)
     except ServerError as e:  # a cut or garbled body, an HTML page: retried
@@ -222,11 +242,20 @@ async def post_pool(session: aiohttp.ClientSession, pool: ServerPool, path: str,
 
 async def generate(session: aiohttp.ClientSession, base_url: "str | ServerPool",
                    input_ids: list[int], rid: str, sampling_params: dict,
-                   policy: RetryPolicy) -> dict:
-    """SGLang `/generate` with token ids in; returns `{"text", "output_ids", "meta_info"}`."""
+                   policy: RetryPolicy, check=None) -> dict:
+    """SGLang `/generate` with token ids in; returns `{"text", "output_ids", "meta_info"}`.
+    `check(answer)`, when given, runs on each attempt's answer: its BadAnswer is retried."""
     payload = {"input_ids": input_ids, "rid": rid, "sampling_params": sampling_params}
-    return await post_pool(session, as_pool(base_url), "/generate", payload, policy,
-                           f"request {rid}")
+    pool, what = as_pool(base_url), f"request {rid}"
+
+    async def attempt() -> dict:
+        answer = await post_pool_once(session, pool, "/generate", payload, policy.timeout_s,
+                                      what)
+        if check is not None:
+            check(answer)
+        return answer
+
+    return await _with_retries(attempt, policy, what)
 
 
 async def chat_completion(session: aiohttp.ClientSession, server: "str | ServerPool",
@@ -269,12 +298,36 @@ def json_object(body: bytes, content_type: str | None, url: str, empty_ok: bool 
     except ValueError:  # bad JSON or bad UTF-8
         answer = None
     if isinstance(answer, dict):
+        if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(answer):
+            raise ServerError(f"{url} answered JSON holding a lone UTF-16 surrogate (an escape "
+                              "such as \\ud800 that encodes no character): not text; "
+                              f"{len(body):,} bytes: {body[:120]!r}")
         return answer
     text = body[:120].decode("utf-8", "replace").strip()
     what = "an HTML page" if text[:1] == "<" else "not a JSON object"
     raise NotJSONError(f"{url} answered HTTP 200 with {what} (Content-Type "
                       f"{content_type or 'none'}, {len(body):,} bytes: {text!r}): is this the "
                       "server's URL (and port)?")
+
+
+# A \\uD800-\\uDFFF escape: the only way JSON text can carry a lone surrogate, which Python's
+# json accepts and no UTF-8 writer can write (the whole answer is walked only when one occurs).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone_surrogate(value) -> bool:
+    """True when a string anywhere in `value` (keys too) is not encodable Unicode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
 
 
 def served_model(models: dict, url: str) -> str:
@@ -315,6 +368,7 @@ async def get_server_info(session: aiohttp.ClientSession, base_url: str) -> dict
 
 
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")  # SGLang readiness (newer name first)
+PROBE_TIMEOUT_S = 30.0  # how long one readiness probe waits for its answer, unless told
 
 
 class ServerExitedError(ServerError):
@@ -323,7 +377,7 @@ class ServerExitedError(ServerError):
 
 async def wait_ready(session: aiohttp.ClientSession, base_url: str,
                      paths: tuple[str, ...] = MODEL_INFO_PATHS, timeout_s: float = 1800.0,
-                     poll_s: float = 5.0, *, request_timeout_s: float | None = None,
+                     poll_s: float = 5.0, *, request_timeout_s: float = PROBE_TIMEOUT_S,
                      headers: dict | None = None, process=None,
                      any_status: bool = False) -> dict:
     """Poll `paths` (SGLang: `/model_info`) every `poll_s` until the server answers.
@@ -331,13 +385,14 @@ async def wait_ready(session: aiohttp.ClientSession, base_url: str,
     Returns the first 200 answer; with `any_status`, any HTTP answer on `paths[0]` counts (the
     process is up; the answer is then `{}`). `process` (a `subprocess.Popen`) is watched: its
     exit raises ServerExitedError at once instead of waiting out `timeout_s` (`math.inf`: wait
-    for ever). Each attempt times out after `request_timeout_s` (default `poll_s`). Never calls
+    for ever). Each attempt waits up to `request_timeout_s` for its answer: how long to wait is
+    not how often to ask (`poll_s`), and a slow answer is not a dead server. Never calls
     `/health` on SGLang, which runs a real generation. A 200 that is not JSON (another
     service's page) raises NotJSONError at once.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    attempt_s = poll_s if request_timeout_s is None else request_timeout_s
+    attempt_s = request_timeout_s
     while True:
         if process is not None and process.poll() is not None:
             raise ServerExitedError(f"{base_url}: the server exited with status "

@@ -47,6 +47,9 @@ class ExtractConfig(UpstreamStageFlags):
     max_failures: int = arg(100, "sglang: stop when more records failed (-1 = never)")
     dump_wait_s: float = arg(30.0, "sglang: seconds a dump file may lag behind its answer")
     server_wait_s: float = arg(1800.0, "sglang: seconds to wait for a server that went down")
+    request_timeout_s: float = arg(600.0, "sglang: seconds one dump request may wait for its "
+                                          "answer before it is retried (a prefill of one "
+                                          "record: minutes mean a hung server)")
     verify_against_hf: int = arg(0, "sglang: compare the first N samples with the target run "
                                     "in transformers (0 = off)")
     verify_tolerance: float = arg(0.05, "sglang: max relative L2 error in that comparison")
@@ -84,6 +87,8 @@ class ExtractConfig(UpstreamStageFlags):
             raise ValueError("--max-bad must be >= 0, or -1 for no limit")
         if self.stream and "train" not in self.splits:
             raise ValueError("--stream streams the train split: keep 'train' in --splits")
+        if not self.request_timeout_s > 0:
+            raise ValueError("--request-timeout-s must be > 0 (seconds)")
         if self.spool_gb <= 0:
             raise ValueError("--spool-gb must be > 0")
         if self.teacher_topk < 1:

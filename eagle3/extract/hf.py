@@ -26,6 +26,7 @@ from eagle3.extract.writer import (
     ExtractError,
     ExtractProgress,
     SplitWriter,
+    VerificationFailed,
     record_meta,
 )
 
@@ -184,11 +185,12 @@ def verify_against_hf(model, writer: SplitWriter, idxs: list[int], capture_layer
                 or row["final_rel_err"] > tolerance):
             bad.append(row)
     if bad:
-        raise ExtractError(
+        raise VerificationFailed(
             f"{len(bad)} of {len(rows)} verified samples differ from the transformers forward "
             f"(tolerance {tolerance}): {bad[:3]}. Nearest layers other than {capture_layers} "
             "mean the server captures other layers (see python -m eagle3.extract.patching --check); "
-            "a large final error means a pre-norm state or another model")
+            "a large final error means a pre-norm state or another model",
+            [row["idx"] for row in bad])
     return rows
 
 

@@ -35,8 +35,10 @@ request, and a dump that is missing, unreadable (truncated), short, of the wrong
 of other tokens, or not a plain file of a dump's size fail the attempt. The record is
 tried again, after a backoff and under a new rid, up to `max_attempts` times, then written with
 its reasons to `<split>/failures.jsonl` (the stage stays incomplete; a re-run retries it). Every
-wait has a deadline: the request timeout, `--dump-wait-s`, `--server-wait-s`. States with NaN
-or Inf skip the record as bad (`eagle3/extract/checks.py`; not requested again). A server that
+wait has a deadline: the request timeout (`--request-timeout-s`), `--dump-wait-s`, `--server-wait-s`. States with NaN
+or Inf skip the record as bad (`eagle3/extract/checks.py`; not requested again). Files that
+fail `--verify-against-hf` are removed before the stage stops (VerificationFailed), so that a
+re-run extracts them again instead of keeping them as good. A server that
 stops answering (restart, crash) is waited for, its flags are checked again, and the requests in
 flight are re-sent without counting against their records. A stop signal lets the records in
 flight finish and starts no new one.
@@ -53,7 +55,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
@@ -93,6 +95,7 @@ from eagle3.extract.writer import (
     ExtractProgress,
     FailureLog,
     SplitWriter,
+    VerificationFailed,
 )
 
 log = logging.getLogger(__name__)
@@ -111,9 +114,14 @@ class ClientTuning:
     """Client settings that are not flags (the tests shorten them)."""
 
     poll_s: float = 5.0  # readiness polling while waiting for the server
-    # Per-request HTTP retries; a prefill-only request that takes 10 minutes is a hung server.
-    retry: RetryPolicy = field(
-        default_factory=lambda: RetryPolicy(base_delay_s=0.5, timeout_s=600.0))
+    # Per-request HTTP retries (None: 0.5 s first backoff, --request-timeout-s per attempt).
+    retry: RetryPolicy | None = None
+
+    def resolved(self, cfg: ExtractConfig) -> ClientTuning:
+        if self.retry is not None:
+            return self
+        return ClientTuning(self.poll_s, RetryPolicy(base_delay_s=0.5,
+                                                     timeout_s=cfg.request_timeout_s))
 
 
 def extract(cfg: ExtractConfig, writers: dict[str, SplitWriter], layers: list[int],
@@ -170,7 +178,7 @@ class SglangExtractor:
                  tuning: ClientTuning | None = None):
         self.cfg, self.expected, self.teacher = cfg, expected, teacher
         self.dtype = cfg.dtype
-        self.tuning = tuning or ClientTuning()
+        self.tuning = (tuning or ClientTuning()).resolved(cfg)
         self.url = cfg.server_url.rstrip("/")
         self.concurrency = cfg.concurrency
         self.restarts = 0
@@ -227,7 +235,13 @@ class SglangExtractor:
             if verify is not None and verify_n and not writer.stopping:
                 idxs = [i for i in range(min(verify_n, len(writer.records))) if i in writer.done]
                 loop = asyncio.get_running_loop()
-                report = await loop.run_in_executor(None, verify, writer, idxs)
+                try:
+                    report = await loop.run_in_executor(None, verify, writer, idxs)
+                except VerificationFailed as e:  # written, then found wrong: never left as good
+                    removed = writer.discard(e.idxs)
+                    raise ExtractError(f"{e} Removed the {len(removed)} files that failed "
+                                       f"(first: {removed[0]}); the re-run extracts them "
+                                       "again") from None
             await self._run([i for i in pending if i >= verify_n], writer, prog, failures)
         except BaseException:
             writer.abandon()  # failures.jsonl is already on disk (written at each failure)

@@ -41,6 +41,15 @@ class ExtractError(StageError):
     StageError: the script's entry point prints it as one line and exits 1)."""
 
 
+class VerificationFailed(ExtractError):
+    """Files that differ from the transformers forward (`--verify-against-hf`); `idxs` are
+    their records, whose files the stage removes (never left as good)."""
+
+    def __init__(self, message: str, idxs: list[int]):
+        super().__init__(message)
+        self.idxs = idxs
+
+
 @dataclass
 class ExtractCounts:
     written: int = 0  # files written by this run
@@ -117,6 +126,20 @@ class SplitWriter:
         self.counts.written += 1
         self.counts.written_tokens += tokens
         self.counts.written_bytes += nbytes
+
+    def discard(self, idxs: list[int]) -> list[Path]:
+        """Remove the files of records `idxs` (found wrong after they were written): they are
+        no longer done, and a re-run extracts them again. Returns the paths removed."""
+        removed = []
+        for idx in idxs:
+            entry = self.done.pop(idx, None)
+            self.path(idx).unlink(missing_ok=True)
+            removed.append(self.path(idx))
+            if entry is not None and self.counts.written:
+                self.counts.written -= 1
+                self.counts.written_tokens -= entry["tokens"]
+                self.counts.written_bytes -= entry["bytes"]
+        return removed
 
     def skip(self, idx: int, reason: str) -> None:
         """Skip record `idx` as bad (never written); raises TooManyBad past `--max-bad`."""

@@ -7,12 +7,20 @@ the server produced. `meta_info.prompt_tokens` must equal the ids sent (a server
 the prompt would otherwise yield a record whose reply continues a prompt the target never saw).
 SGLang answers `meta_info.finish_reason` as a dict, `{"type": "stop", "matched": <id>}` or
 `{"type": "length", "length": n}`, or `{"type": "abort", "message": ...}` (retried).
-An answer that contradicts itself is retried (BadAnswer) and never becomes a record: output ids
-that are not token ids, a count that differs from `completion_tokens`, exceeds `max_new_tokens`
-or falls short of the `length` the reply was cut at, an empty reply, a body without the API's
-fields (a `prompt_tokens` that is not a count is none; a null `completion_tokens` is not
-reported, not a contradiction). The openai backend likewise retries a reply without a finish reason (cut or aborted)
-and a `usage.completion_tokens` over `max_tokens`.
+An answer that cannot be the record's is retried (BadAnswer) and never becomes a record: output
+ids that are not token ids or lie outside the target's vocabulary (config.json's `vocab_size`),
+the answer of another request (`meta_info.id` naming another rid), a count that differs from
+`completion_tokens`, exceeds `max_new_tokens` or falls short of the `length` the reply was cut
+at, an empty reply, a body without the API's fields (a `prompt_tokens` that is not a count is
+none; a null `completion_tokens` is not reported, not a contradiction). These are
+eagle3.core.server's `check_generated` and `check_rid`, the checks 05 runs on its answers. A
+`text` that disagrees with the ids is named (a warning, `text_mismatch` in the counts, the text
+kept in raw.jsonl) and the ids are taken: they are what the target produced.
+
+The openai backend likewise retries a reply without a finish reason (cut or aborted) and one
+longer than `max_tokens`: by `usage.completion_tokens`, and by the tokens of its content and
+reasoning, which the target must have generated at least (a server that ignores `max_tokens`
+and reports no count).
 
 `openai` (`/v1/chat/completions`): we send the prompt messages and tools with the template
 kwargs as `chat_template_kwargs` (vLLM, SGLang and `transformers serve` accept them), keep the
@@ -35,6 +43,7 @@ Use `sglang` for training data whenever the server has `/generate`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -46,6 +55,7 @@ from eagle3.core.server import (
     ServerPool,
     TransientError,
     check_generated,
+    check_rid,
     finish_kind,
     post_once,
     post_pool_once,
@@ -73,12 +83,20 @@ class SGLangBackend:
     end_of_turn_id: int
     policy: RetryPolicy
     temperature: float = 0.0  # 0 = greedy
+    vocab_size: int | None = None  # the target's lm_head rows: no output id reaches it
+    # ids -> text as SGLang detokenizes them (skip_special_tokens); None: text not compared
+    decode: Callable[[list[int]], str] | None = None
     name: str = "sglang"
     probe_path: str = "/model_info"  # any HTTP answer here means the server process is up
-    stats: dict = field(default_factory=lambda: {"appended_stop_token": 0})
+    stats: dict = field(default_factory=lambda: {"appended_stop_token": 0,
+                                                 "text_mismatch": 0})
+
+    @staticmethod
+    def rid(job: GenerationJob, attempt: int) -> str:
+        return job.id if attempt == 0 else f"{job.id}~retry{attempt}"
 
     def payload(self, job: GenerationJob, attempt: int) -> dict:
-        rid = job.id if attempt == 0 else f"{job.id}~retry{attempt}"
+        rid = self.rid(job, attempt)
         return {"input_ids": job.prompt_ids.tolist(), "rid": rid,
                 "sampling_params": {"max_new_tokens": job.max_new_tokens,
                                     "temperature": self.temperature,
@@ -90,14 +108,17 @@ class SGLangBackend:
         return await post_pool_once(session, self.pool, "/generate", self.payload(job, attempt),
                                     self.policy.timeout_s, f"request {job.id}")
 
-    def to_record(self, job: GenerationJob, answer: dict) -> tuple[dict, dict]:
-        """(tokenized record, raw answer to keep) of one `/generate` answer; BadAnswer (retry)
-        for an answer that contradicts itself, RecordFailure for one that is final."""
+    def to_record(self, job: GenerationJob, answer: dict,
+                  attempt: int = 0) -> tuple[dict, dict]:
+        """(tokenized record, raw answer to keep) of attempt `attempt`'s `/generate` answer;
+        BadAnswer (retry) for an answer that cannot be the record's, RecordFailure for one
+        that is final."""
         meta, output = answer.get("meta_info"), answer.get("output_ids")
         if not isinstance(meta, dict) or not isinstance(output, list) \
                 or type(meta.get("prompt_tokens")) is not int:
             raise BadAnswer(f"malformed answer: no output_ids list or meta_info.prompt_tokens "
                             f"count ({str(answer)[:200]})")
+        check_rid(meta, self.rid(job, attempt))
         if meta["prompt_tokens"] != len(job.prompt_ids):
             raise RecordFailure(f"prompt truncated: the server saw {meta['prompt_tokens']} "
                                 f"prompt tokens, {len(job.prompt_ids)} were sent (do not start "
@@ -108,8 +129,9 @@ class SGLangBackend:
             raise TransientError(f"request {job.id} aborted by the server: {reason}")
         if kind not in ("stop", "length"):
             raise RecordFailure(f"unknown finish reason {reason!r}")
-        check_output_ids(job, output, meta, reason)
+        check_output_ids(job, output, meta, reason, self.vocab_size)
         matched = reason.get("matched") if isinstance(reason, dict) else None
+        text = self._disagreeing_text(job, answer.get("text"), output, matched)
         if kind == "stop" and not output and not isinstance(matched, int):
             raise BadAnswer("empty reply: finish_reason stop with no output id and no matched "
                             "stop token")
@@ -121,7 +143,27 @@ class SGLangBackend:
             self.stats["appended_stop_token"] += 1
         raw = {"id": job.id, "backend": self.name, "output_ids": output, "finish_reason": kind,
                "meta_info": meta}
+        if text is not None:
+            raw["text_disagreeing_with_ids"] = text
         return generated_record(job, output, kind), raw
+
+    def _disagreeing_text(self, job: GenerationJob, text, output: list[int],
+                          matched) -> str | None:
+        """The answer's `text` when it is not what its ids decode to (named and counted; the
+        ids are kept), else None. The matched stop token is not in SGLang's text, and a reply
+        cut inside a character ends in U+FFFD on one side only."""
+        if self.decode is None or not isinstance(text, str):  # not reported
+            return None
+        ids = output[:-1] if isinstance(matched, int) and output[-1:] == [matched] else output
+        if self.decode(ids).rstrip("\ufffd") == text.rstrip("\ufffd"):
+            return None
+        self.stats["text_mismatch"] += 1
+        if self.stats["text_mismatch"] <= 3:
+            log.warning("record %s: the answer's text disagrees with its output_ids (the ids "
+                        "are kept; raw.jsonl holds the text)%s", job.id,
+                        "; further ones are counted only" if self.stats["text_mismatch"] == 3
+                        else "")
+        return text
 
     async def abort(self, session: aiohttp.ClientSession, job: GenerationJob) -> None:
         """Best effort: ask every server to drop an abandoned request (SGLang `/abort_request`)."""
@@ -133,10 +175,13 @@ class SGLangBackend:
                 log.debug("abort of %s on %s failed: %s", job.id, url, e)
 
 
-def check_output_ids(job: GenerationJob, output: list, meta: dict, reason) -> None:
-    """BadAnswer unless the output ids are token ids (non-negative ints) whose count agrees with
-    `completion_tokens`, the request's budget and, for a reply cut by the limit, its length."""
-    n = check_generated(output, meta.get("completion_tokens"), job.max_new_tokens)
+def check_output_ids(job: GenerationJob, output: list, meta: dict, reason,
+                     vocab_size: int | None = None) -> None:
+    """BadAnswer unless the output ids are token ids (non-negative ints, below `vocab_size`)
+    whose count agrees with `completion_tokens`, the request's budget and, for a reply cut by
+    the limit, its length."""
+    n = check_generated(output, meta.get("completion_tokens"), job.max_new_tokens,
+                        vocab_size=vocab_size)
     cut_at = reason.get("length") if isinstance(reason, dict) else None
     if finish_kind(reason) == "length" and type(cut_at) is int and cut_at != n:
         raise BadAnswer(f"reply cut short: finish_reason says length {cut_at} but the answer "
@@ -175,7 +220,8 @@ class OpenAIBackend:
                                     self.payload(job), self.policy.timeout_s,
                                     f"request {job.id}", headers)
 
-    def to_record(self, job: GenerationJob, answer: dict) -> tuple[dict, dict]:
+    def to_record(self, job: GenerationJob, answer: dict,
+                  attempt: int = 0) -> tuple[dict, dict]:
         try:
             choice = answer["choices"][0]
             message, finish = choice["message"], choice.get("finish_reason")
@@ -201,11 +247,25 @@ class OpenAIBackend:
                 f"our template renders {len(job.prompt_ids)}: the server's chat template or "
                 "template kwargs differ from --target's (--thinking?)")
         reply = reply_message(message)
+        at_least = self.generated_at_least(reply)
+        if at_least > job.max_new_tokens:
+            raise BadAnswer(f"wrong token count: a reply of at least {at_least} tokens (its "
+                            f"content and reasoning) for max_tokens {job.max_new_tokens}: the "
+                            "server does not honour max_tokens")
         reason = "length" if finish == "length" else "stop"
         output = self.reply_ids(job, reply, cut_end_of_turn=reason == "length")
         raw = {"id": job.id, "backend": self.name, "message": reply, "finish_reason": finish,
                "usage": usage}
         return generated_record(job, output, reason), raw
+
+    def generated_at_least(self, reply: dict) -> int:
+        """Tokens the target generated at least for `reply`: those of its content and reasoning
+        text, which it wrote (canonically tokenized; U+FFFD, a character cut by the limit,
+        left out). Tool-call arguments are not counted: parsers re-serialize them."""
+        tok = self.renderer.tokenizer
+        return sum(len(tok.encode(text.replace("\ufffd", ""), add_special_tokens=False))
+                   for text in (reply.get("content"), reply.get("reasoning_content"))
+                   if isinstance(text, str) and text)
 
     def reply_ids(self, job: GenerationJob, reply: dict, cut_end_of_turn: bool) -> list[int]:
         """Token ids the template renders for `reply` after the job's serving prompt."""

@@ -38,6 +38,9 @@ class GenerateConfig(UpstreamStageFlags):
     server_down_timeout_s: float = arg(1800.0, "stop when no server answers for this long, "
                                                "seconds (also the wait for readiness at start)")
     poll_s: float = arg(5.0, "how often a down or starting server is polled, seconds")
+    probe_timeout_s: float = arg(30.0, "how long one poll of a down or starting server waits "
+                                       "for its answer, seconds (a slow answer is not a dead "
+                                       "server)")
     served_model: str = arg("", "openai: model name to request ('' = first of /v1/models)")
     api_key_env: str = arg("", "openai: name of the environment variable holding the API key "
                                "('' = no key); the key itself is never a flag")
@@ -69,6 +72,9 @@ class GenerateConfig(UpstreamStageFlags):
                      "long_context_threshold", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("request_timeout_s", "server_down_timeout_s", "poll_s", "probe_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
         if self.temperature < 0:
             raise ValueError("--temperature must be >= 0 (0 = greedy)")
         if self.max_bad < -1:

@@ -9,8 +9,13 @@
   an answer that cannot become a record (truncated prompt, template mismatch, 4xx), the record
   goes to the failures file with the reason.
 - Outages: a refused connection says nothing about the request, so it costs no attempt; the
-  server is marked down (a pool sends elsewhere), probed every `poll_s`, and when every server
-  has been down for `server_down_timeout_s` the run stops with ServerDownError (re-run resumes).
+  server is marked down (a pool sends elsewhere), probed every `poll_s` (each probe waiting up
+  to `probe_timeout_s` for its answer), and when every server has been down for
+  `server_down_timeout_s` the run stops with ServerDownError (re-run resumes). A server that
+  answers its probe while its generation endpoint cannot be reached (a redirect to a dead
+  address, a proxy) is not down: the refusal counts as the record's failed attempt, and
+  `max_attempts` such refusals in a row with no answer between stop the run (ServerDownError),
+  instead of an endless "unreachable" / "reachable again" loop.
 - Signals: the first SIGINT/SIGTERM stops sending new requests and lets those in flight finish;
   a second abandons them (SGLang is asked to abort them); the run then raises
   `eagle3.core.faults.Interrupted` after flushing what was written (the script ends with a line
@@ -39,6 +44,7 @@ from eagle3.core.server import (
     ServerPool,
     TransientError,
     get_json,
+    is_reachable,
     make_session,
     served_model,
     wait_ready,
@@ -74,6 +80,7 @@ class RunnerConfig:
     max_attempts: int  # attempts per record before it goes to the failures file
     server_down_timeout_s: float  # how long every server may stay unreachable
     poll_s: float  # how often an unreachable server is probed
+    probe_timeout_s: float  # how long one probe waits for its answer
 
 
 def partition(jobs: list[GenerationJob], threshold: int):
@@ -92,10 +99,29 @@ class ServerWatch:
         self.up.set()
         self.down_since: float | None = None  # when the last up server went down
         self.outages = 0
+        # refusals in a row, with no answer between, of servers that answered their probe
+        self.endpoint_refusals = 0
         self._probes: dict[str, asyncio.Task] = {}
 
-    async def unreachable(self, url: str) -> None:
-        """Called when `url` refused a connection; returns when some server is up again."""
+    def answered(self) -> None:
+        """A request got its answer: the generation endpoints are reachable."""
+        self.endpoint_refusals = 0
+
+    async def unreachable(self, url: str, error: Exception) -> bool:
+        """Called when `url` refused a connection (`error`). True once some server is up again
+        after an outage (the attempt costs nothing); False when `url` answers its probe, so the
+        server is up and its generation endpoint is not: the attempt counts as failed, and
+        `max_attempts` of those in a row raise ServerDownError."""
+        if url not in self.pool.down and await is_reachable(
+                self.session, url, self.probe_path, self.cfg.probe_timeout_s):
+            self.endpoint_refusals += 1
+            if self.endpoint_refusals >= self.cfg.max_attempts:
+                raise ServerDownError(
+                    f"{url} answers {self.probe_path}, but {self.endpoint_refusals} requests in "
+                    f"a row could not reach its generation endpoint (last: {error}): is "
+                    "--server-url the server itself, not a proxy or a redirect to another "
+                    "address? Fix it, then re-run the same command to resume")
+            return False
         if url not in self.pool.down:
             self.pool.down.add(url)
             self.outages += 1
@@ -114,10 +140,11 @@ class ServerWatch:
                     f"no server reachable for {self.cfg.server_down_timeout_s:.0f}s "
                     f"({', '.join(self.pool.urls)}): restart the server, then re-run the same "
                     "command to resume") from None
+        return True
 
     async def _probe(self, url: str) -> None:
         await wait_ready(self.session, url, (self.probe_path,), math.inf, self.cfg.poll_s,
-                         request_timeout_s=10.0, any_status=True)
+                         request_timeout_s=self.cfg.probe_timeout_s, any_status=True)
         self.pool.down.discard(url)
         self.up.set()
         log.warning("%s is reachable again", url)
@@ -211,8 +238,9 @@ class GenerationRun:
             self.counts["requests"] += 1
             try:
                 answer = await self.backend.request(self.session, job, attempt)
+                self.watch.answered()
                 try:
-                    record, raw = self.backend.to_record(job, answer)
+                    record, raw = self.backend.to_record(job, answer, attempt)
                 except (KeyError, TypeError, AttributeError, IndexError) as e:
                     # A shape of answer the backend's checks did not foresee: this record
                     # fails (never written as good) and the run goes on.
@@ -220,8 +248,8 @@ class GenerationRun:
                 self.sink.add(record, raw)
                 return
             except TransientError as e:
-                if e.unreachable:  # the server is down: wait for it, costs no attempt
-                    await self.watch.unreachable(e.server)
+                # a server down: wait for it, costs no attempt (unless it answers its probe)
+                if e.unreachable and await self.watch.unreachable(e.server, e):
                     continue
                 attempt += 1
                 if attempt >= self.cfg.max_attempts:
@@ -281,23 +309,27 @@ def run_remote(jobs: list[GenerationJob], backend, sink: RecordSink, cfg: Runner
     return asyncio.run(go())
 
 
-def connect(backend, timeout_s: float, poll_s: float, headers: dict | None = None) -> None:
-    """Wait until every server of the backend answers; fill in the openai served model name.
-    ConnectError when one does not come up, answers something else than the API (an HTML
-    page), or lists no model."""
+def connect(backend, timeout_s: float, poll_s: float, probe_timeout_s: float,
+            headers: dict | None = None) -> None:
+    """Wait until every server of the backend answers (asking every `poll_s`, each probe
+    waiting up to `probe_timeout_s`); fill in the openai served model name. ConnectError when
+    one does not come up, answers something else than the API (an HTML page), or lists no
+    model."""
 
     async def go() -> None:
         async with make_session(8) as session:
             for url in backend.pool.urls:
                 if backend.name == "sglang":
-                    info = await wait_ready(session, url, timeout_s=timeout_s, poll_s=poll_s)
+                    info = await wait_ready(session, url, timeout_s=timeout_s, poll_s=poll_s,
+                                            request_timeout_s=probe_timeout_s)
                     log.info("%s ready: %s", url, info.get("model_path", info))
                 else:
                     await wait_ready(session, url, ("/v1/models", "/health"), timeout_s, poll_s,
-                                     headers=headers)
+                                     request_timeout_s=probe_timeout_s, headers=headers)
             if backend.name == "openai" and not backend.model:
                 url = backend.pool.urls[0]
-                models = await get_json(session, url, ("/v1/models",), headers=headers)
+                models = await get_json(session, url, ("/v1/models",), probe_timeout_s,
+                                        headers=headers)
                 backend.model = served_model(models, url)
                 log.info("served model: %s", backend.model)
 

@@ -20,7 +20,7 @@ from eagle3.core.progress import human_bytes, human_seconds, progress
 from eagle3.core.records import JsonlAppender
 from eagle3.core.server import RetryPolicy, ServerError, ServerPool
 from eagle3.core.stage import STAGE_DIRS, Quarantine, Stage, StageResult, atomic_write_json
-from eagle3.core.target import load_hf_model, load_tokenizer
+from eagle3.core.target import load_hf_model, load_tokenizer, read_target_info
 from eagle3.generate.backends import OpenAIBackend, SGLangBackend
 from eagle3.generate.config import GenerateConfig
 from eagle3.generate.fast import FastJobGenerator
@@ -57,12 +57,15 @@ def build_generator(cfg: GenerateConfig, renderer: ChatRenderer, tokenizer,
     pool = ServerPool(cfg.server_url, cfg.pool_policy)
     policy = RetryPolicy(base_delay_s=cfg.retry_delay_s, timeout_s=cfg.request_timeout_s)
     if cfg.backend == "sglang":
-        backend = SGLangBackend(pool, renderer.end_of_turn_id, policy, cfg.temperature)
+        backend = SGLangBackend(
+            pool, renderer.end_of_turn_id, policy, cfg.temperature,
+            vocab_size=read_target_info(cfg.target).vocab_size,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     else:
         backend = OpenAIBackend(pool, renderer, policy, cfg.served_model, cfg.temperature,
                                 api_key, cfg.check_prompt_tokens)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    connect(backend, cfg.server_down_timeout_s, cfg.poll_s, headers)
+    connect(backend, cfg.server_down_timeout_s, cfg.poll_s, cfg.probe_timeout_s, headers)
     return backend
 
 
@@ -86,7 +89,8 @@ def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, genera
         else:  # the runner handles signals itself (requests in flight may finish)
             runner_cfg = RunnerConfig(cfg.concurrency, cfg.long_concurrency,
                                       cfg.long_context_threshold, cfg.max_attempts,
-                                      cfg.server_down_timeout_s, cfg.poll_s)
+                                      cfg.server_down_timeout_s, cfg.poll_s,
+                                      cfg.probe_timeout_s)
             t0 = time.monotonic()
             counts = run_remote(todo, generator, sink, runner_cfg, generator.policy, bar)
             counts.update(sink.counts, seconds=round(time.monotonic() - t0, 1),
@@ -178,6 +182,9 @@ def summary_rows(outputs: dict, seconds: float, disk: int) -> dict:
                                             f"decode steps from {f['graphs']} CUDA graphs"
                                             + (f"; eager: {f['eager_reason']}"
                                                if f["eager_reason"] else ""))
+            if c.get("text_mismatch"):
+                rows[f"{n} text disagreeing with its ids"] = (
+                    f"{c['text_mismatch']} (ids kept; raw.jsonl: text_disagreeing_with_ids)")
             for reason, k in c["failure_reasons"].items():
                 rows[f"{n} failed: {reason[:40]}"] = k
     rows.update(time=human_seconds(seconds), disk=human_bytes(disk))

@@ -131,9 +131,11 @@ def build_generator(cfg: PrepareConfig, renderer: ChatRenderer):
     stops = list(dict.fromkeys([*derive_opening(renderer, None).stop_ids,
                                 renderer.end_of_turn_id]))
     if cfg.gen_backend == "sglang":
+        from eagle3.core.target import read_target_info
         from eagle3.prepare.server_generator import ServerGenerator
 
-        return ServerGenerator(cfg.server_url, stops, cfg.gen_batch_size)
+        return ServerGenerator(cfg.server_url, stops, cfg.gen_batch_size,
+                               read_target_info(cfg.target).vocab_size)
     from eagle3.core.target import load_hf_model
     from eagle3.generate.fast import FastGenerator
     from eagle3.generate.jobs import padding_id

@@ -7,8 +7,10 @@ up to `concurrency`. A sampled request carries its own `sampling_seed`, drawn fr
 seed and the row, which SGLang honours only when the server runs with
 `--enable-deterministic-inference`: without it, finished rounds are still kept and replayed on a
 re-run, but a round redone after a kill draws other user turns than the lost one. Transient
-failures (5xx, dropped connections, timeouts) are retried by eagle3.core.server; an aborted
-generation or a contradictory answer stops the stage (ServerError).
+failures (5xx, dropped connections, timeouts) are retried by eagle3.core.server, and so is an
+answer that cannot be the request's (01b's checks: ids outside the vocabulary, another rid,
+more ids than the budget or than `completion_tokens` says); an aborted generation, or such an
+answer on every attempt, stops the stage (ServerError).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from __future__ import annotations
 import asyncio
 
 from eagle3.core.server import (
+    BadAnswer,
     RetryPolicy,
     ServerError,
     ServerPool,
+    check_generated,
+    check_rid,
     generate,
     make_session,
     wait_ready,
@@ -43,6 +48,16 @@ def sampling_params(budget: int, temperature: float, top_p: float, stop_ids: lis
     return params
 
 
+def check_answer(answer: dict, rid: str, budget: int, vocab_size: int | None) -> None:
+    """BadAnswer (retried) for an answer that cannot be request `rid`'s (01b's checks)."""
+    meta, output = answer.get("meta_info"), answer.get("output_ids")
+    if not isinstance(meta, dict) or not isinstance(output, list):
+        raise BadAnswer(f"request {rid}: malformed answer (no output_ids list or meta_info): "
+                        f"{str(answer)[:200]}")
+    check_rid(meta, rid, f"request {rid}")
+    check_generated(output, meta.get("completion_tokens"), budget, f"request {rid}", vocab_size)
+
+
 def output_of(answer: dict, rid: str) -> tuple[list[int], str]:
     """(output ids, 'stop'|'length') of a `/generate` answer; the matched stop token is
     appended when a release leaves it out of `output_ids`."""
@@ -63,8 +78,10 @@ def output_of(answer: dict, rid: str) -> tuple[list[int], str]:
 class ServerGenerator:
     """`generate_ids` over one or several SGLang servers (see the module doc)."""
 
-    def __init__(self, urls: list[str], stop_ids: list[int], concurrency: int):
+    def __init__(self, urls: list[str], stop_ids: list[int], concurrency: int,
+                 vocab_size: int | None = None):
         self.pool = ServerPool(urls)
+        self.vocab_size = vocab_size  # the target's: no output id reaches it
         self.stop_ids = list(stop_ids)
         self.concurrency = concurrency
         self.policy = RetryPolicy(base_delay_s=1.0, timeout_s=REQUEST_TIMEOUT_S)
@@ -90,8 +107,9 @@ class ServerGenerator:
                 params = sampling_params(budgets[row], temperature, top_p, self.stop_ids,
                                          request_seed(seed, row))
                 async with gate:
-                    answer = await generate(session, self.pool, prompts[row], rid, params,
-                                            self.policy)
+                    answer = await generate(
+                        session, self.pool, prompts[row], rid, params, self.policy,
+                        lambda a: check_answer(a, rid, budgets[row], self.vocab_size))
                 return output_of(answer, rid)
 
             return await asyncio.gather(*(one(row) for row in range(len(prompts))))

@@ -71,8 +71,12 @@ class FakeSGLang:
 
     def __init__(self, faults: Faults | None = None, port: int = 0, eos_id: int = EOS_ID,
                  vocab: tuple[int, int] = (10, 500),
-                 prompt_tokens: Callable[[dict], int] | None = None):
+                 prompt_tokens: Callable[[dict], int] | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         self.faults = faults or Faults()
+        # /generate's "text": what the output ids decode to (the stop token left out, as
+        # SGLang's detokenizer does); None = no "text" (SGLang with --skip-tokenizer-init)
+        self.decode = decode
         self.port = port
         self.eos_id = eos_id
         self.vocab = vocab
@@ -211,7 +215,10 @@ class FakeSGLang:
                 finish = {"type": "abort", "message": "injected abort"}
             meta = {"id": rid, "prompt_tokens": n_prompt, "completion_tokens": len(out),
                     "cached_tokens": 0, "finish_reason": finish, "e2e_latency": 0.0}
-            return web.json_response({"text": "", "output_ids": out, "meta_info": meta})
+            answer = {"output_ids": out, "meta_info": meta}
+            if self.decode is not None:
+                answer["text"] = self.decode(out[:-1] if reason == "stop" else out)
+            return web.json_response(answer)
         finally:
             self._leave(entry)
 

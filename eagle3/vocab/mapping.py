@@ -72,7 +72,7 @@ def count_supervised_by_origin(path: Path, target_vocab: int, regenerated: dict[
 
     Streams the file; supervised ids are buffered up to `chunk_tokens` and then counted with one
     `bincount`, so memory is O(target_vocab + chunk_tokens) whatever the file size. A bad line
-    (torn, not JSON, wrong types, ids outside the target vocab) goes to `bad`, the stage's skip
+    (torn, blank, not JSON, wrong types, ids outside the target vocab) goes to `bad`, the stage's skip
     list, and counts nothing; without `bad` it raises VocabError (RecordError for bad JSON).
     """
     counts = np.zeros((len(ORIGINS), target_vocab), dtype=np.int64)
@@ -114,10 +114,13 @@ def _good_records(path: Path, target_vocab: int, bad: BadRecords | None, bar):
 
 
 def _parsed_lines(path: Path):
-    """(line number, parsed JSON or None, problem or None) of each non-empty line."""
+    """(line number, parsed JSON or None, problem or None) of each line. A blank line is damage
+    (01c writes none), as 01c's merge counts one in its own inputs."""
     with Path(path).open("rb") as f:
         for n, raw in enumerate(f, start=1):  # streams: merged files reach several GB
             if not raw.strip():
+                yield n, None, (f"empty line: {len(raw)} bytes of blanks; 01c writes none, so "
+                                "the file was damaged")
                 continue
             try:
                 yield n, json.loads(raw), None
