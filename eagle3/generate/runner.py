@@ -224,8 +224,8 @@ class GenerationRun:
             except asyncio.CancelledError:
                 self.counts["abandoned"] += 1
                 raise
-            except ServerDownError as e:
-                self.fatal, self.stopping = e, True
+            except ServerDownError as e:  # the first says it; others may follow it
+                self.fatal, self.stopping = self.fatal or e, True
                 return
             finally:
                 self.inflight.pop(job.id, None)
