@@ -304,3 +304,30 @@ def test_main_ends_in_one_line_when_extraction_cannot_go_on(
         rc, line = run_script(copy_merged(merged, tmp_path / "w"), tiny_target_dir, s, capsys,
                               *extra, dump_dir=dump_dir)
     assert rc == 1 and line.startswith("02b: error: ") and words in line
+
+
+def test_files_that_fail_verify_against_hf_are_removed_and_a_rerun_writes_them_right(
+        merged, reference, tiny_target_dir, target_model, layers, tmp_path, capsys):
+    workdir = copy_merged(merged, tmp_path / "w")
+    shifted = [c + 1 for c in layers]  # announces the right layers, captures the next ones
+    with FakeDumpServer(target_model, tmp_path / "dump", layers, state_layers=shifted) as s:
+        rc, line = run_script(workdir, tiny_target_dir, s, capsys, "--verify-against-hf", "2")
+    assert rc == 1 and "differ from the transformers forward" in line
+    assert "Removed the 2 files that failed" in line
+    assert data_files(workdir) == []  # never left as good files
+    with FakeDumpServer(target_model, tmp_path / "dump", layers) as s:
+        rc, line = run_script(workdir, tiny_target_dir, s, capsys, "--verify-against-hf", "2")
+    assert rc == 0, line
+    assert_good_files(workdir, reference)
+
+
+def test_request_timeout_flag_bounds_the_wait_for_an_answer_that_never_comes(
+        merged, reference, tiny_target_dir, server, tmp_path, capsys):
+    server.faults.hang[rid(merged, BAD)] = 1  # its first request is never answered
+    server.faults.hang_s = 60.0
+    workdir = copy_merged(merged, tmp_path / "w")
+    t0 = time.monotonic()
+    rc, line = run_script(workdir, tiny_target_dir, server, capsys, "--request-timeout-s", "0.5")
+    assert rc == 0, line
+    assert time.monotonic() - t0 < 30  # the 0.5 s deadline, not the 60 s hang
+    assert_good_files(workdir, reference)
