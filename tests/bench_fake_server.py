@@ -23,8 +23,9 @@ and out, streamed with a usage chunk) and `/metrics` with the `vllm:spec_decode_
 Lies, cued the same way (`LIES`): "overlong" (3 tokens more than max_new_tokens, counted as
 such), "prompt_count" (one prompt token more than sent), "verify_excess" (more verify rounds
 than tokens), "verify_few" (one verify round for the whole answer: more tokens a round than the
-steps allow), "verify_negative" (-1 rounds); "nulls" (a legal answer whose optional counts are
-null). Server-wide: `lossy` (the last output token differs from the plain one), `html_paths`
+steps allow), "verify_negative" (-1 rounds), "foreign_rid" (meta_info.id names another request),
+"out_of_vocab" (an output id past any vocabulary, counts consistent); "nulls" (a legal answer
+whose optional counts are null). Server-wide: `lossy` (the last output token differs from the plain one), `html_paths`
 (these GET paths answer 200 with a web page), `metrics_fault` "nan" (NaN counters) or
 "inflated" (more accepted than drafted tokens), and `sse_dialect="legal"`: streams in what the
 SSE standard allows and the servers do not send (CRLF line ends, comment lines, `retry` and `id`
@@ -53,7 +54,8 @@ def verify_count(n: int, tokens_per_verify: int | None) -> int | None:
 
 
 FAULTS = ("http500", "hang", "drop", "eof", "count", "short")
-LIES = ("overlong", "prompt_count", "verify_excess", "verify_few", "verify_negative")
+LIES = ("overlong", "prompt_count", "verify_excess", "verify_few", "verify_negative",
+        "foreign_rid", "out_of_vocab")
 
 
 class FakeBenchServer:
@@ -128,6 +130,8 @@ class FakeBenchServer:
                 meta["spec_verify_ct"] = lied[fault]
         if fault == "prompt_count":
             meta["prompt_tokens"] += 1
+        if fault == "foreign_rid":
+            meta["id"] = "bench-another-request"
         if fault == "nulls":
             meta.update(prompt_tokens=None, cached_tokens=None, completion_tokens=None,
                         e2e_latency=None)
@@ -140,6 +144,8 @@ class FakeBenchServer:
             ids += [7] * (max_new + 3 - len(ids))
         if fault == "short":
             ids = ids[:max(1, len(ids) // 2)]
+        if fault == "out_of_vocab":
+            ids[0] = 10 ** 7
         if self.lossy:
             ids[-1] = (ids[-1] + 1) % 500
         cuts = [1] + list(range(1 + (self.k or 1), len(ids), self.k or 1)) + [len(ids)]

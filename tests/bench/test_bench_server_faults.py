@@ -276,7 +276,9 @@ def _pair(tmp_path, target, draft, capsys, base: dict | None = None, spec: dict 
         capsys.readouterr()
         rc = script_main(lambda: _bench(_argv(tmp_path, target, draft, "--baseline-url", b,
                                               "--spec-url", s, *extra)), "05")
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    print(captured.out, end="")  # the closing summary stays readable by the caller's capsys
+    err = captured.err
     assert "Traceback" not in err
     out = tmp_path / "05_benchmark"
     results = json.loads((out / "results.json").read_text()) \
@@ -292,15 +294,24 @@ EVERY = 50  # cue a kind on this many requests in a row: every request of a run
                                        ("prompt_count", "prompt tokens"),
                                        ("verify_excess", "more verify rounds than tokens"),
                                        ("verify_few", "more than 4 (steps + 1) a round"),
-                                       ("verify_negative", "spec_verify_ct is -1")])
+                                       ("verify_negative", "spec_verify_ct is -1"),
+                                       ("foreign_rid", "the answer of another request"),
+                                       ("out_of_vocab", "outside the target's vocabulary")])
 def test_benchmark_fails_every_answer_whose_counts_cannot_be(
         tmp_path, tiny_target_dir, tiny_draft, capsys, lie, words):
     rc, results, report, _ = _pair(tmp_path, tiny_target_dir, tiny_draft, capsys,
                                    spec={"once": [lie] * EVERY})
+    out = capsys.readouterr().out  # the closing summary
     assert rc == 1
-    spec = results["prompt_sets"]["math"]["1"]["speculative"]
+    row = results["prompt_sets"]["math"]["1"]
+    spec = row["speculative"]
     assert spec["failed_requests"] == 3 and spec["requests"] == 0
     assert spec["acceptance_length"] is None
+    # no speculative request measured: no speedup, "-" with the reason, never "0.00x"
+    assert row["speedup"] is None and "every speculative request failed" in row["speedup_error"]
+    assert "speedup - (every speculative request failed (3 in failed_requests.jsonl))" in out
+    assert "SLOWER" not in out and "0.00" not in out
+    assert 'speedup "-": every speculative request failed' in report
     failed = [json.loads(x) for x in
               (tmp_path / "05_benchmark/failed_requests.jsonl").read_text().splitlines()]
     assert len(failed) == 3 and all(words in f["reason"] for f in failed), failed[0]["reason"]

@@ -33,6 +33,7 @@ BAD_LINES = {
                        "bad input_ids"),
     "ids_missing": (json.dumps({"id": "none", "loss_mask": [1]}) + "\n", "bad input_ids"),
     "not_an_object": ("[1, 2, 3]\n", "bad record"),
+    "blank_line": ("  \t \n", "empty line"),
     "mask_not_binary": (json.dumps({**GOOD, "id": "m2", "loss_mask": [0, 2, 1]}) + "\n",
                         "bad loss_mask"),
     "mask_length_differs": (json.dumps({**GOOD, "id": "len", "loss_mask": [1, 1]}) + "\n",
@@ -88,6 +89,9 @@ def test_03_counts_bad_lines_in_summary_report_and_manifest(tmp_path, tiny_targe
                  "16", "--log-level", "WARNING"]) == 0
     out = capsys.readouterr().out
     assert "bad lines skipped" in out and "3 (" in out
+    # the first one named in the summary too (a run at --log-level ERROR logs no warning)
+    (first,) = [line for line in out.splitlines() if "first bad line" in line]
+    assert "line 11 (" in first and "bad json" in first
     report = json.loads((work / "03_vocab/report.json").read_text())
     manifest = json.loads((work / "03_vocab/manifest.json").read_text())
     for where in (report, manifest["outputs"]):
