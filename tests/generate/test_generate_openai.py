@@ -119,7 +119,7 @@ def test_openai_backend_rerenders_reasoning_and_tool_calls_with_the_template(
     with FakeSGLang(prompt_tokens=_fake_prompt_tokens(tokenizer)) as server:
         rc = _main(["--workdir", str(tmp_path), "--target", str(tiny_target_dir), "--backend",
                     "openai", "--server-url", server.url, "--api-key-env", "TEST_OPENAI_KEY",
-                    "--max-new-tokens", "64"])
+                    "--max-new-tokens", "256"])  # the fake's replies fit it (~71 tokens)
     assert rc == 0
     chats = [r for r in server.requests if r["path"] == "/v1/chat/completions"]
     assert {r["authorization"] for r in chats} == {"Bearer sk-secret-123"}
