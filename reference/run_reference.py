@@ -120,6 +120,9 @@ class Profile:
     size_counts: tuple[int, ...] = ()
     size_link_states: bool = False
     main_dtype: str = "bf16"  # 02b --dtype of the main run (and of the data-size runs)
+    # Recipes under datasets/ whose entries 01 prepares beside the self-written one (e.g. the
+    # human-written training prompts, smollm2_human_train.json); their paths stay theirs.
+    extra_recipes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from reference.phase3 import PHASE3_WORK
@@ -132,6 +135,9 @@ class Profile:
         if (self.corpus_source == "self_written") != bool(self.self_written):
             raise ValueError("Profile.self_written is the recipe block of corpus_source "
                              "self_written: set both or neither")
+        if self.extra_recipes and self.corpus_source != "self_written":
+            raise ValueError("Profile.extra_recipes go beside the self-written source: set "
+                             "corpus_source self_written")
 
         unknown = [w for w in self.phase3 if w not in PHASE3_WORK]
         if unknown or len(set(self.phase3)) != len(self.phase3):
@@ -239,6 +245,35 @@ PROFILES["h200-chat"] = replace(
     context_bucket_tokens=256, sweep_prompts=24, sweep_max_new=128,
     size_fractions=(), size_counts=(2500, 10000), size_link_states=True,
     phase3=("bench_t0", "sizes"), deadline_s=1200.0, eval_workers=3)
+# Issue 44's larger chat reference: 60,000 conversations written under the steer of
+# datasets/smollm2_self_written_diverse.json (task, topic, format, length, persona; its axes are
+# read from that file, their one home), 6% of them asked for 4 or 6 user turns with the replies
+# between kept when cut at 256 tokens (contexts of ~1,000-2,200 tokens before 01b's reply), the
+# 121 human-written training prompts beside them (datasets/smollm2_human_train.json); 04 trains
+# 2 epochs (3x the data of `h200-chat`'s 5); 05 on the held-out self-written prompts, the
+# project's chat set and the human-written sets no stage sees (MT-bench, HumanEval), by context
+# bucket of 512 tokens; phase 3 trains the 20,000-conversation draft of the same data (the
+# data-size lever; the committed `h200-chat` draft is the same size without the steer: the
+# diversity lever, measured by 05 on the same human-written sets where the drafts are brought).
+# Estimated from `h200-chat`'s H100 stage rates (BENCHMARKS.md, 2026-12-05): ~19M tokens (0.94 x
+# ~250 for single-turn conversations with 01b's 192-token replies, 0.06 x ~1,500 for the long
+# ones); 01 ~360 s (3x 108 s, plus ~2.3M reply tokens of the long ones), 01b ~150 s (3x 62 s at
+# 192 instead of 256 tokens), 02b ~500 s (37,600 tok/s), 04 ~280 s (2 x 19M at 259,000 tok/s +
+# ~130 s compile and evals), merge 5 s: ~1,300 s to main's draft; the deadline (1,500 s) leaves
+# the size draft and the 05 runs to what remains of the 30 minutes, and cuts them first.
+PROFILES["h200-chat-diverse"] = replace(
+    PROFILES["h200-chat"],
+    self_written=(("count", 60000), ("heldout", 300), ("seed", 0), ("temperature", 1.0),
+                  ("top_p", 1.0), ("max_user_tokens", 128), ("min_user_chars", 16),
+                  ("reply_max_new_tokens", 256), ("keep_cut_replies", True),
+                  ("turns", ((1, 0.94), (4, 0.03), (6, 0.03))),
+                  ("steer", "smollm2_self_written_diverse.json")),
+    self_written_max_seq_len=4096, extra_recipes=("smollm2_human_train.json",),
+    generate=("--max-new-tokens", "192", "--batch-size", "1024", "--dtype", "bfloat16"),
+    merge=("--eval-fraction", "0.01", "--max-seq-len", "4096"),
+    epochs=2, train_max_seq_len=4096,
+    bench_extra_sets=("chat", "human_chat", "human_code"), context_bucket_tokens=512,
+    size_counts=(20000,), deadline_s=1500.0)
 # The same route on CPU at toy sizes (the test of the self-written profile).
 PROFILES["smoke-chat"] = replace(
     PROFILES["smoke-smollm2"], corpus=(), corpus_source="self_written",

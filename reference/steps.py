@@ -41,6 +41,12 @@ from reference.stages import StageRunner, link_states, linked_workdir, subset_wo
 log = logging.getLogger(__name__)
 BENCH_STEPS = (3, 7)  # chains 05 measures: SGLang's 3-1-4 setting (ceiling 4) and 7 (ceiling 8)
 SELF_WRITTEN_DATASET = "chat_self_written"  # 01's dataset of the self_written profiles
+DATASETS_DIR = Path(__file__).resolve().parents[1] / "datasets"  # the shipped recipes
+
+
+def shipped_recipe(name: str) -> dict:
+    """A recipe file of datasets/, as JSON (a profile names its steer and extra sources so)."""
+    return json.loads((DATASETS_DIR / name).read_text())
 
 
 class PhaseMissing(RuntimeError):
@@ -180,12 +186,21 @@ class PhaseSteps:
         self-written source), prompts only (01b writes the last reply)."""
         path = self.corpus / "recipe_self_written.json"
         block = dict(self.profile.self_written)  # the entry's count and seed, the rest its block
+        if isinstance(block.get("steer"), str):  # a shipped recipe's steer: its axes' one home
+            block["steer"] = shipped_recipe(block["steer"])["datasets"][0]["self_written"][
+                "steer"]
+        extra = []
+        for name in self.profile.extra_recipes:  # beside it, their paths made absolute
+            for entry in shipped_recipe(name)["datasets"]:
+                if entry.get("path"):
+                    entry = {**entry, "path": str((DATASETS_DIR / entry["path"]).resolve())}
+                extra.append(entry)
         recipe = {"name": "reference_chat", "description": "user turns written by the target "
                   "itself (01's self-written source); replies by 01b",
                   "datasets": [{"name": SELF_WRITTEN_DATASET, "count": block.pop("count"),
                                 "seed": block.pop("seed", 0), "self_written": block,
                                 "max_seq_len": self.profile.self_written_max_seq_len,
-                                "regenerate": True}]}
+                                "regenerate": True}, *extra]}
         self.corpus.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, recipe)
         return path

@@ -10,6 +10,9 @@ A prompt set is a name and a list of prompts as token ids, exactly what the targ
   scripted earlier assistant turn where the prompt is a follow-up), HumanEval-style code tasks
   (complete or write a function, fix a bug), GSM8K-style word problems, and agentic tool use
   (function definitions, earlier tool calls and tool results, a coding-agent system prompt).
+- `human_chat`, `human_code`: prompts written by people that no stage sees: MT-bench first turns
+  (40 of 80) and HumanEval tasks (82 of 164), read from the files PyPI packages ship
+  (eagle3/prepare/human.py; sources, licences and counts in `prompts/human_sources.json`).
 - any other value is a path to a local JSONL file (its stem names the set) holding either
   tokenized records or conversation records.
 
@@ -35,7 +38,7 @@ from eagle3.core.faults import BadRecords, InputFileError
 from eagle3.core.stage import STAGE_DIRS, StageError
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
-BUILTIN_SETS = ("chat", "code", "math", "tools")
+BUILTIN_SETS = ("chat", "code", "math", "tools", "human_chat", "human_code")
 EVAL_SET = "eval"
 
 

@@ -15,7 +15,10 @@ target itself: a `self_written` block (eagle3/prepare/selfwritten.py; the entry'
 
     {"name": "self_chat", "count": 20000, "seed": 0, "max_seq_len": 4096,
      "self_written": {"heldout": 300, "temperature": 1.0, "max_user_tokens": 96,
-                      "turns": [[1, 0.6], [2, 0.25], [3, 0.15]]}}
+                      "turns": [[1, 0.6], [2, 0.25], [3, 0.15]],
+                      "steer": {"system": "The user asks {task}.",
+                                "axes": {"task": [["code", "for help with code", 1.0],
+                                                  ["math", "a math question", 1.0]]}}}}
 
 The `merge_*` and `overlength` fields are read by the merge stage through 01's manifest.
 """
@@ -130,6 +133,10 @@ class DatasetSpec:
             d.pop(name)
         if d["self_written"] is None:  # the key of an entry written before the field existed
             d.pop("self_written")
+        else:  # and of a self_written block written before these fields existed
+            for name, default in (("steer", None), ("keep_cut_replies", False)):
+                if d["self_written"][name] == default:
+                    d["self_written"].pop(name)
         return d
 
 

@@ -19,7 +19,12 @@ template (eagle3/prepare/opening.py) writes a plausible user request.
   turn, counted by reason, when a reply is not closed, is empty or holds a special token, a
   later user turn is rejected, or another turn would leave no room under `max_seq_len` for the
   reply, the next user turn and 01b's last reply. Every conversation ends with a user turn:
-  01b writes its last reply.
+  01b writes its last reply. With `keep_cut_replies`, a reply cut at `reply_max_new_tokens`
+  stays in the conversation as written (closed by the template; counted) instead of ending it:
+  the lever for long contexts from a target whose replies run long.
+- `steer` (eagle3/prepare/steer.py) gives each candidate its own opening: a system prompt and/or
+  the start of the user turn made from labelled options drawn under the seed; the records carry
+  the labels (`"steer": {axis: label}`).
 - Each round is one file (`round_NNNN.json`, written whole); a re-run replays the finished
   rounds and continues, so a killed run ends with the same conversations as an uninterrupted
   one. Once 100 candidates are judged and fewer than `MIN_KEEP_RATE` of them kept, the stage
@@ -34,7 +39,7 @@ import math
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -45,7 +50,8 @@ from eagle3.core.stage import StageError, atomic_write_json
 from eagle3.generate.jobs import seed_of
 from eagle3.prepare.conversations import split_inline_reasoning
 from eagle3.prepare.dedupe import DuplicateFilter
-from eagle3.prepare.opening import TemplateCutError, derive_opening, next_user_ids
+from eagle3.prepare.opening import Opening, TemplateCutError, derive_opening, next_user_ids
+from eagle3.prepare.steer import UNSTEERED, Draw, SteerSpec
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,8 @@ class SelfWrittenSpec:
     system: str | None = None  # system prompt; None = as the template sets it (its default)
     oversample: float = 1.3  # candidates per still-needed prompt, over the keep rate so far
     max_rounds: int = 100  # stop (with fewer conversations, warned) after this many rounds
+    keep_cut_replies: bool = False  # a reply cut at reply_max_new_tokens stays (else: ends it)
+    steer: Any = None  # eagle3.prepare.steer.SteerSpec's block; None = every opening the same
 
     def __post_init__(self) -> None:
         def bad(msg: str):
@@ -115,6 +123,10 @@ class SelfWrittenSpec:
             bad(f"turns must list distinct user-turn counts >= 1 with weights > 0, got "
                 f"{self.turns!r}")
         self.turns = [[n, w] for n, w in turns]
+        if not isinstance(self.keep_cut_replies, bool):
+            bad(f"keep_cut_replies must be true or false, got {self.keep_cut_replies!r}")
+        if self.steer is not None and not isinstance(self.steer, SteerSpec):
+            self.steer = SteerSpec.from_json(self.steer)
 
     @classmethod
     def from_json(cls, block: Any) -> "SelfWrittenSpec":
@@ -144,6 +156,7 @@ class WriterState:
     conversations: list = field(default_factory=list)
     heldout: list = field(default_factory=list)
     ended_early: dict = field(default_factory=dict)  # reason -> conversations
+    replies_cut_kept: int = 0  # replies cut at the budget and kept (keep_cut_replies)
     generated_tokens: int = 0
     seconds: float = 0.0
 
@@ -160,6 +173,7 @@ class SelfWriter:
         self._load_generator, self._generator = load_generator, None
         self.opening = derive_opening(renderer, spec.system)
         self.base = [{"role": "system", "content": spec.system}] if spec.system else []
+        self._openings: dict[tuple, list[int]] = {}  # (system, prefix) -> opening ids
         self.state = WriterState()
         self.filter = DuplicateFilter(spec.near_dup_threshold)
         self._bar = self._stop = None
@@ -220,6 +234,7 @@ class SelfWriter:
         st.heldout += rnd["heldout"]
         for k, n in rnd["ended_early"].items():
             st.ended_early[k] = st.ended_early.get(k, 0) + n
+        st.replies_cut_kept += rnd.get("replies_cut_kept", 0)  # rounds of older runs lack it
         st.generated_tokens += rnd["generated_tokens"]
         st.seconds += rnd["seconds"]
 
@@ -247,43 +262,70 @@ class SelfWriter:
         t0 = time.perf_counter()
         spec, st = self.spec, self.state
         n = self._candidates()
-        outs = self._generate([self.opening.ids] * n, spec.max_user_tokens, spec.temperature,
-                              ("user", r), f"round {r}: user turns")
+        draws = [self.draw(r, k) for k in range(n)]
+        outs = self._generate([self.opening_ids(d) for d in draws], spec.max_user_tokens,
+                              spec.temperature, ("user", r), f"round {r}: user turns")
         rejected = {k: 0 for k in REASONS}
         examples: dict[str, list[str]] = {}
-        kept: list[str] = []
+        kept: list[tuple[str, Draw]] = []
         room = self.wanted - st.kept
-        for ids, finish in outs:
+        for (ids, finish), d in zip(outs, draws):
             if len(kept) >= room:
                 break
-            text, why = self.judge(ids, finish, [self.filter])
+            text, why = self.judge(ids, finish, [self.filter], d.prefix)
             if why is None:
                 self.filter.add(text)
-                kept.append(text)
+                kept.append((text, d))
             else:
                 rejected[why] += 1
                 examples.setdefault(why, []).append(text[:300])
         judged = sum(rejected.values()) + len(kept)
         to_held = max(0, min(len(kept), spec.heldout - st.kept))
         heldout = [{"id": f"{self.name}/heldout-{st.kept + k:06d}", "source": self.name,
-                    "messages": self.base + [{"role": "user", "content": text}]}
-                   for k, text in enumerate(kept[:to_held])]
+                    "messages": self.bases(d)[0] + [{"role": "user", "content": text}],
+                    **({"steer": d.labels} if d.labels else {})}
+                   for k, (text, d) in enumerate(kept[:to_held])]
         self._bar.update(len(heldout))
-        firsts = {st.kept + k: text for k, text in enumerate(kept) if k >= to_held}
-        convs, ended, more = self._conversations(r, firsts)
+        firsts = {st.kept + k: kd for k, kd in enumerate(kept) if k >= to_held}
+        convs, ended, more, cut = self._conversations(r, firsts)
         return {"round": r, "seed": self.seed, "candidates": n, "judged": judged,
-                "surplus": n - judged, "rejected": rejected, "kept": kept,
+                "surplus": n - judged, "rejected": rejected, "kept": [t for t, _ in kept],
                 "heldout": heldout, "conversations": convs, "ended_early": ended,
+                "replies_cut_kept": cut,
                 "rejected_examples": {k: v[:20] for k, v in examples.items()},
                 "generated_tokens": sum(len(ids) for ids, _ in outs) + more,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
-    def judge(self, ids: list[int], finish: str,
-              filters: list[DuplicateFilter]) -> tuple[str, str | None]:
-        """(text, None) for a user turn to keep, else (text, reason)."""
+    def draw(self, r: int, k: int) -> Draw:
+        """The steer of round `r`'s candidate `k` (UNSTEERED without a `steer` block)."""
+        steer = self.spec.steer
+        return UNSTEERED if steer is None else steer.draw(self.seed, self.name, r, k)
+
+    def opening_ids(self, d: Draw) -> list[int]:
+        """What the target continues to write a first user turn under the steer `d`."""
+        key = (d.system, d.prefix)
+        if key not in self._openings:
+            opening: Opening = (self.opening if d.system is None
+                                else derive_opening(self.renderer, d.system))
+            self._openings[key] = self.renderer.encode(opening.text + d.prefix)
+        return self._openings[key]
+
+    def bases(self, d: Draw) -> tuple[list[dict], list[dict]]:
+        """(the messages a conversation written under `d` starts with, those its later user
+        turns are written after): the steering system prompt is in both with keep_system, in
+        the second only otherwise."""
+        if d.system is None:
+            return self.base, self.base
+        steered = [{"role": "system", "content": d.system}]
+        return (steered if self.spec.steer.keep_system else self.base), steered
+
+    def judge(self, ids: list[int], finish: str, filters: list[DuplicateFilter],
+              prefix: str = "") -> tuple[str, str | None]:
+        """(text, None) for a user turn to keep, else (text, reason); `prefix` is the start of
+        the turn the opening gave (a steer's), which the text continues."""
         if finish != "stop":
-            return self.tok.decode(ids, skip_special_tokens=False), "too long"
-        raw = self.tok.decode(ids[:-1], skip_special_tokens=False)
+            return prefix + self.tok.decode(ids, skip_special_tokens=False), "too long"
+        raw = prefix + self.tok.decode(ids[:-1], skip_special_tokens=False)
         if not ids or ids[-1] != self.opening.stop_ids[0]:  # a server may answer nothing
             return raw, "not closed"
         text = raw.strip()
@@ -315,23 +357,28 @@ class SelfWriter:
 
     # ------------------------------------------------------------ multi-turn
 
-    def _conversations(self, r: int, firsts: dict[int, str]) -> tuple[list, dict, int]:
-        """Conversations started by this round's prompts; (records, early ends, tokens)."""
+    def _conversations(self, r: int,
+                       firsts: dict[int, tuple[str, Draw]]) -> tuple[list, dict, int, int]:
+        """Conversations started by this round's prompts; (records, early ends, tokens, cut
+        replies kept)."""
         spec = self.spec
-        convs, goals, filters = [], [], []
-        for index, text in firsts.items():
+        convs, goals, filters, writing = [], [], [], []
+        for index, (text, d) in firsts.items():
             rng = random.Random(seed_of(self.seed, self.name, "turns", index))
             goals.append(rng.choices([n for n, _ in spec.turns],
                                      [w for _, w in spec.turns])[0])
+            base, write_base = self.bases(d)
             convs.append({"id": f"{index:06d}",
-                          "messages": self.base + [{"role": "user", "content": text}]})
+                          "messages": base + [{"role": "user", "content": text}],
+                          **({"steer": d.labels} if d.labels else {})})
+            writing.append((len(base), write_base))  # later user turns: written after these
             f = DuplicateFilter(spec.near_dup_threshold)
             f.add(text)
             filters.append(f)
         ended: dict[str, int] = {}
         alive = [g > 1 for g in goals]
         self._bar.update(len(convs) - sum(alive))
-        tokens = 0
+        tokens = cut = 0
         for turn in range(2, spec.max_turns + 1):
             active = [i for i in range(len(convs)) if alive[i] and goals[i] >= turn]
             prompts = {i: self.renderer.prompt_ids(convs[i]["messages"]) for i in active}
@@ -349,9 +396,11 @@ class SelfWriter:
             for i, (ids, finish) in zip(active, replies):
                 msg, why = self._reply(ids, finish)
                 if why is None:
+                    cut += finish != "stop"
+                    skip, write_base = writing[i]
                     try:
-                        user_prompts.append(next_user_ids(self.renderer,
-                                                          convs[i]["messages"] + [msg]))
+                        user_prompts.append(next_user_ids(
+                            self.renderer, write_base + convs[i]["messages"][skip:] + [msg]))
                     except TemplateCutError:
                         why = "template cannot open a later user turn"
                 if why is not None:
@@ -373,7 +422,7 @@ class SelfWriter:
                 if goals[i] == turn:
                     alive[i] = False
                     self._bar.update(1)
-        return convs, dict(sorted(ended.items())), tokens
+        return convs, dict(sorted(ended.items())), tokens, cut
 
     def _end(self, i: int, alive: list[bool], ended: dict, why: str) -> None:
         alive[i] = False
@@ -381,11 +430,13 @@ class SelfWriter:
         self._bar.update(1)
 
     def _reply(self, ids: list[int], finish: str) -> tuple[dict | None, str | None]:
-        """The assistant message of a greedy reply, or why the conversation ends before it."""
-        if finish != "stop" or not ids or ids[-1] != self.renderer.end_of_turn_id:
+        """The assistant message of a greedy reply, or why the conversation ends before it; a
+        reply cut at the budget is kept as written with `keep_cut_replies`."""
+        closed = finish == "stop" and ids and ids[-1] == self.renderer.end_of_turn_id
+        if not closed and not (self.spec.keep_cut_replies and finish == "length" and ids):
             return None, "reply not closed"
         msg = {"role": "assistant",
-               "content": self.tok.decode(ids[:-1], skip_special_tokens=False)}
+               "content": self.tok.decode(ids[:-1] if closed else ids, skip_special_tokens=False)}
         try:
             split_inline_reasoning(msg)
         except RecordError:
@@ -396,21 +447,3 @@ class SelfWriter:
             return None, "reply special token"
         return msg, None
 
-
-def writer_summary(writer: SelfWriter) -> dict:
-    """The manifest entry: settings, seed, opening, filter counts and rates, turns."""
-    st = writer.state
-    judged = max(st.judged, 1)
-    turns: dict[str, int] = {}
-    for c in st.conversations:
-        n = str(sum(m["role"] == "user" for m in c["messages"]))
-        turns[n] = turns.get(n, 0) + 1
-    return {"settings": asdict(writer.spec), "count": writer.count, "seed": writer.seed,
-            "opening": writer.opening.text, "end_of_turn": writer.opening.end_of_turn,
-            "rounds": st.rounds, "candidates": st.candidates, "judged": st.judged,
-            "surplus": st.surplus, "kept": st.kept, "keep_rate": round(st.kept / judged, 4),
-            "rejected": dict(st.rejected),
-            "rejection_rates": {k: round(n / judged, 4) for k, n in st.rejected.items()},
-            "conversations": len(st.conversations), "heldout": len(st.heldout),
-            "user_turns": dict(sorted(turns.items())), "ended_early": st.ended_early,
-            "generated_tokens": st.generated_tokens, "seconds": round(st.seconds, 1)}

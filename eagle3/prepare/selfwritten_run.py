@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3.core.chat import ChatRenderer
@@ -29,7 +29,8 @@ from eagle3.prepare.config import PrepareConfig
 from eagle3.prepare.opening import TemplateCutError, derive_opening
 from eagle3.prepare.recipes import DatasetSpec, Recipe, RecipeError
 from eagle3.prepare.rows import json_line
-from eagle3.prepare.selfwritten import SelfWriter, SelfWrittenError, writer_summary
+from eagle3.prepare.selfwritten import SelfWriter, SelfWrittenError
+from eagle3.prepare.steer import check_steer
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ def check_self_written(recipe: Recipe, renderer: ChatRenderer) -> None:
         if spec.self_written is not None:
             try:
                 derive_opening(renderer, spec.self_written.system)
+                if spec.self_written.steer is not None:
+                    check_steer(renderer, spec.self_written.steer)
             except TemplateCutError as e:
                 raise RecipeError(f"recipe {recipe.name}: dataset {spec.name} (self_written): "
                                   f"{e}") from e
@@ -109,6 +112,32 @@ def fingerprint(cfg: PrepareConfig, spec: DatasetSpec, render_fp: str) -> str:
     if cfg.gen_backend == "hf":
         key.update(dtype=cfg.dtype, device=cfg.device.split(":")[0])
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def writer_summary(writer: SelfWriter) -> dict:
+    """The manifest entry: settings, seed, opening, filter counts and rates, turns, and the
+    steer labels of the records written (axis -> label -> records)."""
+    st = writer.state
+    judged = max(st.judged, 1)
+    turns: dict[str, int] = {}
+    steered: dict[str, dict[str, int]] = {}
+    for c in st.conversations + st.heldout:
+        for axis, label in c.get("steer", {}).items():
+            steered.setdefault(axis, {})[label] = steered.get(axis, {}).get(label, 0) + 1
+    for c in st.conversations:
+        n = str(sum(m["role"] == "user" for m in c["messages"]))
+        turns[n] = turns.get(n, 0) + 1
+    return {"settings": asdict(writer.spec), "count": writer.count, "seed": writer.seed,
+            "opening": writer.opening.text, "end_of_turn": writer.opening.end_of_turn,
+            "rounds": st.rounds, "candidates": st.candidates, "judged": st.judged,
+            "surplus": st.surplus, "kept": st.kept, "keep_rate": round(st.kept / judged, 4),
+            "rejected": dict(st.rejected),
+            "rejection_rates": {k: round(n / judged, 4) for k, n in st.rejected.items()},
+            "conversations": len(st.conversations), "heldout": len(st.heldout),
+            "user_turns": dict(sorted(turns.items())), "ended_early": st.ended_early,
+            "replies_cut_kept": st.replies_cut_kept,
+            "steer_labels": {a: dict(sorted(v.items())) for a, v in sorted(steered.items())},
+            "generated_tokens": st.generated_tokens, "seconds": round(st.seconds, 1)}
 
 
 class _LazyGenerator:

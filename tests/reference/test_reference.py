@@ -547,3 +547,26 @@ def test_smoke_fp8gemm_draft_trains_on_mains_states_and_joins_the_comparison(smo
     assert rows["fp8gemm"]["evaluated"] and rows["fp8gemm"]["train_tok_s"] > 0
     assert rows["fp8gemm"]["parameters"] == rows["main"]["parameters"]  # the same draft shape
     assert rows["fp8gemm"]["delta_pct"]["acceptance_3"] is not None
+
+
+def test_diverse_chat_profile_writes_a_steered_long_recipe_with_the_human_prompts(tmp_path):
+    """h200-chat-diverse: >= 60,000 steered conversations (the axes read from the shipped
+    diverse recipe), long turns with cut replies kept, the human-written training source beside
+    (its path absolute), and 05 on the human-written sets by context bucket."""
+    from eagle3.prepare.recipes import load_recipe
+    from reference.stages import StageRunner
+    from reference.steps import DATASETS_DIR, PhaseSteps
+
+    p = PROFILES["h200-chat-diverse"]
+    steps = PhaseSteps(tmp_path, "h200-chat-diverse", p, StageRunner(tmp_path / "r"), 0.0)
+    recipe = load_recipe(steps.write_self_written_recipe())
+    main, human = recipe.datasets
+    shipped = load_recipe(DATASETS_DIR / "smollm2_self_written_diverse.json").datasets[0]
+    assert main.count >= 60000 and main.self_written.steer == shipped.self_written.steer
+    assert main.self_written.keep_cut_replies and main.self_written.max_turns == 6
+    assert main.max_seq_len == 4096 and p.train_max_seq_len == 4096
+    assert human.name == "human_train" and human.path.is_file()
+    args = [str(a) for a in steps.bench_args(0.0, 8)]
+    sets = args[args.index("--prompt-sets") + 1:args.index("--num-prompts")]
+    assert sets[1:] == ["chat", "human_chat", "human_code"]
+    assert args[args.index("--context-bucket-tokens") + 1] == "512"
