@@ -1,0 +1,404 @@
+#!/usr/bin/env python3
+"""The real SGLang on one GPU: the dump patch, our drafts served, the dump's cost at Kimi's width.
+
+Runs on the lent GPU machine after `benchmarks/gpu_sglang.sh` has unpacked SGLang 0.5.17 into
+`--sglang-site` (its own PYTHONPATH: it needs transformers 5.12.1, the pipeline runs on the
+machine's own). Each phase writes `<out>/<phase>.json` as soon as it ends, so a call that runs
+out of time still brings back what finished:
+
+  dump   the tiny DeepSeek-V3 target at Kimi's latent width (576) served by the patched SGLang
+         in bf16 with CUDA graphs and chunked prefill; 02b --backend sglang against 02b --backend
+         hf on the same records, state by state (relative L2 error, beside HF bf16 against HF
+         float32: the bf16 noise floor)
+  serve  SmolLM2-135M-Instruct plain and with the committed chat draft (EAGLE3, chain of 3:
+         --speculative-num-steps 3, topk 1, 4 draft tokens), both servers started at once on the
+         one GPU, CUDA graphs on; 05 --backend sglang on the held-out chat prompts at each
+         --concurrency (tokens/s of both, the ratio, served acceptance, outputs against plain);
+         05 --backend hf (the offline evaluator, float32) on the same prompts
+  kimi   a random-weight DeepSeek-V3 target at Kimi-K2.5's width (hidden 7168, 64 heads,
+         576-wide latent, vocabulary 163840, `--load-format dummy`; 8 layers, 8 experts all
+         active, so each layer computes what one of Kimi's does per token) served by the patched
+         SGLang twice at once, dump on and dump off: prefill tokens/s of each (the patch's cost),
+         02b's end-to-end tokens/s on the dump server; then the same target with an MLA draft
+         (Eagle3DeepseekV2ForCausalLM, random weights) under EAGLE3: its first answers, or the
+         exact error
+
+    python benchmarks/bench_sglang_gpu.py --phases dump serve kimi --out $OUT \
+        --sglang-site /tmp/sglsite --smollm2 /tmp/gs/smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle3.core.launcher import LaunchedServer  # noqa: E402
+from eagle3.core.records import JsonlAppender  # noqa: E402
+from eagle3.core.stage import open_stage  # noqa: E402
+
+DRAFT = ROOT / "tests/fixtures/smollm2_chat_draft"
+COMMON = ["--dtype", "bfloat16", "--attention-backend", "triton", "--sampling-backend",
+          "pytorch", "--host", "127.0.0.1", "--skip-server-warmup", "--log-level", "info"]
+DUMP_FLAGS = ["--disable-radix-cache"]  # cached prefixes would not be recomputed, nor dumped
+CHAIN3 = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+# the SGLang fields a DeepSeek-V3 config needs beside transformers' (Kimi's config has them):
+# yarn with factor 1.0 computes plain RoPE and a softmax scale of 1 (HF and SGLang alike)
+SGLANG_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+YARN_1 = {"rope_type": "yarn", "type": "yarn", "factor": 1.0, "beta_fast": 32, "beta_slow": 1,
+          "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "vocab_size": 163840, "num_hidden_layers": 8,
+        "n_routed_experts": 8, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.827, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0, "max_position_embeddings": 8192,
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+log = logging.getLogger("bench_sglang_gpu")
+
+
+def run(cmd: list[str], log_path: Path, env: dict | None = None, check: bool = True) -> float:
+    """Run a pipeline command, its output to `log_path`; returns its wall time."""
+    t0 = time.time()
+    with open(log_path, "ab") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"{cmd[:3]} exited {proc.returncode}:\n{tail}")
+    return time.time() - t0
+
+
+def server(args, model: Path, port: int, flags: list[str], log_name: str,
+           dump_dir: Path | None = None) -> LaunchedServer:
+    """A launched SGLang server (its own site on PYTHONPATH; the dump on when `dump_dir`)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+           "--port", str(port), *COMMON, *flags]
+    env = {"PYTHONPATH": args.sglang_site}
+    if dump_dir is not None:
+        env["EAGLE3_DUMP_DIR"] = str(dump_dir)
+    s = LaunchedServer(cmd, args.work / "logs" / log_name, f"http://127.0.0.1:{port}",
+                       ready_timeout_s=900)
+    s.env = env
+    return s
+
+
+def start_all(servers: list[LaunchedServer]) -> None:
+    """Start servers at once and wait until every one is ready (they load side by side)."""
+    for s in servers:
+        s.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with s.log_path.open("ab") as out:
+            s.proc = subprocess.Popen(s.command, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True, env={**os.environ, **s.env})
+    t0 = time.time()
+    for s in servers:
+        asyncio.run(s._wait_ready())
+        log.info("%s ready after %.0f s", s.url, time.time() - t0)
+
+
+def stop_all(servers: list[LaunchedServer]) -> None:
+    for s in servers:
+        s.stop()
+
+
+def write_json(args, name: str, data: dict) -> None:
+    path = args.out / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1))
+    log.info("wrote %s", path)
+
+
+def write_merged(workdir: Path, lengths: list[int], vocab: int, seed: int = 0) -> int:
+    """`01c_merged/{train,eval}.jsonl` of random ids (eval: 2 records); returns the tokens."""
+    rng = random.Random(seed)
+    stage = open_stage(workdir, "01c_merged", {})
+    tokens = 0
+    for split, ls in (("train", lengths), ("eval", lengths[:2])):
+        with JsonlAppender(stage.dir / f"{split}.jsonl") as out:
+            for i, T in enumerate(ls):
+                out.write({"id": f"{split}/r{i}", "source": "random", "seq_len": T,
+                           "input_ids": [rng.randrange(vocab) for _ in range(T)],
+                           "loss_mask": [1] * T})
+                tokens += T
+    stage.finish(outputs={})
+    return tokens
+
+
+def sglang_target(src: Path, dst: Path, extra: dict) -> Path:
+    """A copy of the target folder whose config carries `extra` (weights linked, not copied)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (dst / f.name).exists():
+            os.symlink(f.resolve(), dst / f.name)
+    config = with_sglang_fields({**json.loads((src / "config.json").read_text()), **extra})
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    return dst
+
+
+def with_sglang_fields(config: dict) -> dict:
+    """`config` with SGLANG_FIELDS and a yarn rope of factor 1.0 (same theta) under both names."""
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope = {**YARN_1, "rope_theta": theta}
+    return {**config, **SGLANG_FIELDS, "rope_parameters": rope, "rope_scaling": rope,
+            "rope_theta": theta}
+
+
+def compare_states(a_dir: Path, b_dir: Path) -> dict:
+    """Per state, the worst and mean relative L2 error of b against a over every file."""
+    files = sorted(p.relative_to(a_dir) for p in a_dir.rglob("data_*.pt"))
+    worst, total, n, tokens = [0.0] * 4, [0.0] * 4, 0, 0
+    for rel in files:
+        a = torch.load(a_dir / rel, weights_only=True)
+        b = torch.load(b_dir / rel, weights_only=True)
+        assert torch.equal(a["input_ids"], b["input_ids"]), rel
+        for i, (x, y) in enumerate(zip(a["hidden_states"], b["hidden_states"])):
+            x, y = x.float(), y.float()
+            err = ((x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-12))
+            worst[i] = max(worst[i], err.max().item())
+            total[i] += err.sum().item()
+        n += 1
+        tokens += len(a["input_ids"])
+    return {"files": n, "tokens": tokens, "worst_rel_l2": worst,
+            "mean_rel_l2": [t / max(tokens, 1) for t in total]}
+
+
+def phase_dump(args) -> None:
+    w = args.work / "dump"
+    tiny = w / "tiny"
+    run([sys.executable, "-m", "eagle3.tiny.target", "--out", str(tiny), "--arch",
+         "deepseek_v3_vllm"], w / "tiny.log")
+    target = sglang_target(tiny, w / "target", SGLANG_FIELDS)
+    vocab = json.loads((target / "tokenizer_config.json").read_text()).get("vocab_size") or 1000
+    lengths = [1, 7, 63, 64, 65, 300, 511, 513, 1000, 1500, 2047, 40] * 2
+    runs = {}
+    for name in ("hf_fp32", "hf_bf16", "sglang"):
+        write_merged(w / name, lengths, min(vocab, 1000))
+    common = ["--target", str(target), "--capture-layers", "2", "4", "5"]
+    runs["hf_fp32_s"] = run([sys.executable, "02b_extract_hidden_states_sglang.py", "--workdir",
+                             str(w / "hf_fp32"), "--backend", "hf", "--device", "cuda",
+                             "--model-dtype", "float32", *common], w / "02b_hf.log")
+    run([sys.executable, "02b_extract_hidden_states_sglang.py", "--workdir", str(w / "hf_bf16"),
+         "--backend", "hf", "--device", "cuda", "--model-dtype", "bfloat16", *common],
+        w / "02b_hf.log")
+    dump_dir = w / "dumps"
+    s = server(args, target, 30010, [*DUMP_FLAGS, "--chunked-prefill-size", "256",
+                                     "--mem-fraction-static", "0.2"], "dump_server.log",
+               dump_dir)
+    start_all([s])
+    try:
+        runs["sglang_s"] = run([sys.executable, "02b_extract_hidden_states_sglang.py",
+                                "--workdir", str(w / "sglang"), "--backend", "sglang",
+                                "--server-url", s.url, "--dump-dir", str(dump_dir),
+                                "--concurrency", "8", *common], w / "02b_sglang.log")
+    finally:
+        stop_all([s])
+    hook = [x for x in s.log_path.read_text(errors="replace").splitlines() if "captur" in x]
+    base = w / "hf_fp32" / "02b_hidden_states"
+    write_json(args, "dump", {
+        "records": len(lengths) + 2, "lengths": lengths, "chunked_prefill_size": 256,
+        "sglang_bf16_vs_hf_fp32": compare_states(base, w / "sglang" / "02b_hidden_states"),
+        "hf_bf16_vs_hf_fp32": compare_states(base, w / "hf_bf16" / "02b_hidden_states"),
+        "sglang_bf16_vs_hf_bf16": compare_states(w / "hf_bf16" / "02b_hidden_states",
+                                                 w / "sglang" / "02b_hidden_states"),
+        "hook_log": hook[:3], "seconds": runs})
+
+
+def phase_serve(args) -> None:
+    w = args.work / "serve"
+    prompts = str(DRAFT / "heldout_chat.jsonl")
+    mem = ["--mem-fraction-static", "0.35", "--context-length", "2048"]
+    plain = server(args, args.smollm2, 30020, mem, "plain.log")
+    spec = server(args, args.smollm2, 30021,
+                  [*mem, *CHAIN3, "--speculative-draft-model-path", str(DRAFT / "final")],
+                  "spec.log")
+    t0 = time.time()
+    start_all([plain, spec])
+    started = time.time() - t0
+    bench = [sys.executable, "05_benchmark.py", "--workdir", str(w / "served"), "--target",
+             str(args.smollm2), "--draft", str(DRAFT / "final"), "--backend", "sglang",
+             "--baseline-url", plain.url, "--spec-url", spec.url, "--prompt-sets", prompts,
+             "--num-prompts", str(args.num_prompts), "--max-new-tokens",
+             str(args.max_new_tokens), "--temperature", "0", "--sglang-version", "0.5.17",
+             "--concurrency", *[str(c) for c in args.concurrency]]
+    try:
+        served_s = run(bench, w / "05_served.log", check=False)
+    finally:
+        stop_all([plain, spec])
+    served = w / "served" / "05_benchmark" / "results.json"
+    out = {"server_start_s": started, "served_s": served_s,
+           "served": json.loads(served.read_text()) if served.exists() else None,
+           "served_log_tail": (w / "05_served.log").read_text(errors="replace")[-4000:]}
+    write_json(args, "serve", out)
+    offline = [sys.executable, "05_benchmark.py", "--workdir", str(w / "offline"), "--target",
+               str(args.smollm2), "--draft", str(DRAFT / "final"), "--backend", "hf",
+               "--prompt-sets", prompts, "--num-prompts", str(args.num_prompts),
+               "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
+               "--steps", "3", "--device", "cuda", "--dtype", "float32"]
+    out["offline_s"] = run(offline, w / "05_offline.log", check=False)
+    res = w / "offline" / "05_benchmark" / "results.json"
+    out["offline"] = json.loads(res.read_text()) if res.exists() else None
+    write_json(args, "serve", out)
+    for f in ("plain.log", "spec.log"):
+        shutil.copy(args.work / "logs" / f, args.out / f"serve_{f}")
+
+
+async def prefill(url: str, n: int, length: int, concurrency: int, vocab: int,
+                  rid_prefix: str) -> dict:
+    """`n` prompts of `length` random ids, one new token each, `concurrency` in flight."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(session, i):
+        async with sem:
+            body = {"input_ids": prompts[i], "rid": f"{rid_prefix}{i}-{time.time_ns()}",
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            async with session.post(url + "/generate", json=body) as r:
+                r.raise_for_status()
+                return (await r.json())["meta_info"]["prompt_tokens"]
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(one(session, i) for i in range(min(n, concurrency))))  # warm
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(session, i) for i in range(n)))
+        dt = time.perf_counter() - t0
+    return {"requests": n, "prompt_tokens": sum(counts), "seconds": dt,
+            "tokens_per_s": sum(counts) / dt}
+
+
+def kimi_target(w: Path) -> Path:
+    """Config + the tiny target's tokenizer (ids stay below its size): weights are dummy."""
+    tiny = w / "tiny"
+    run([sys.executable, "-m", "eagle3.tiny.target", "--out", str(tiny)], w / "tiny.log")
+    target = w / "target"
+    target.mkdir(parents=True, exist_ok=True)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, target / f.name)
+    (target / "config.json").write_text(json.dumps(with_sglang_fields(KIMI), indent=1))
+    return target
+
+
+def mla_draft(target: Path, out: Path) -> Path:
+    """config.json of an MLA draft for the Kimi-shape target (weights: SGLang's dummy load)."""
+    from eagle3.draft.export import sglang_config
+    from eagle3.draft.model import DraftConfig
+
+    cfg = DraftConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
+                      head_dim=192, intermediate_size=18432, vocab_size=163840,
+                      draft_vocab_size=32000, target_hidden_size=7168, capture_layers=[2, 4, 5],
+                      arch="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, rope_theta=50000.0)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(sglang_config(cfg, "0.5.17"), indent=1))
+    return out
+
+
+def phase_kimi(args) -> None:
+    w = args.work / "kimi"
+    target = kimi_target(w)
+    dump_dir = w / "dumps"
+    flags = [*DUMP_FLAGS, "--load-format", "dummy", "--mem-fraction-static", "0.42",
+             "--context-length", "8192", "--chunked-prefill-size", "8192"]
+    on = server(args, target, 30030, flags, "kimi_dump_on.log", dump_dir)
+    off = server(args, target, 30031, flags, "kimi_dump_off.log")
+    out: dict = {"config": KIMI, "flags": flags}
+    t0 = time.time()
+    start_all([on, off])
+    out["server_start_s"] = time.time() - t0
+    try:
+        for length in (2048,):
+            for name, s, prefix in (("dump_off", off, "eagle3-"), ("dump_on", on, "eagle3-"),
+                                    ("dump_off_again", off, "eagle3-")):
+                out[f"prefill_{name}_{length}"] = asyncio.run(
+                    prefill(s.url, 64, length, 8, 1000, prefix))
+                shutil.rmtree(dump_dir, ignore_errors=True)
+                dump_dir.mkdir(exist_ok=True)
+                write_json(args, "kimi", out)
+        tokens = write_merged(w / "x02b", [2048] * 96, 1000)
+        out["02b_tokens"] = tokens
+        out["02b_s"] = run([sys.executable, "02b_extract_hidden_states_sglang.py", "--workdir",
+                            str(w / "x02b"), "--target", str(target), "--backend", "sglang",
+                            "--server-url", on.url, "--dump-dir", str(dump_dir),
+                            "--capture-layers", "2", "4", "5", "--concurrency", "16"],
+                           w / "02b.log", check=False)
+        out["02b_tokens_per_s"] = tokens / out["02b_s"]
+        out["02b_log_tail"] = (w / "02b.log").read_text(errors="replace")[-3000:]
+        du = subprocess.run(["du", "-sb", str(w / "x02b" / "02b_hidden_states")],
+                            capture_output=True, text=True).stdout.split()
+        out["02b_bytes"] = int(du[0]) if du else None
+        write_json(args, "kimi", out)
+    finally:
+        stop_all([on, off])
+        shutil.rmtree(w / "x02b" / "02b_hidden_states", ignore_errors=True)
+    draft = mla_draft(target, w / "mla_draft")
+    spec = server(args, target, 30032, ["--load-format", "dummy", "--mem-fraction-static",
+                                        "0.7", "--context-length", "8192", *CHAIN3,
+                                        "--speculative-draft-model-path", str(draft)],
+                  "kimi_mla_draft.log")
+    try:
+        start_all([spec])
+        out["mla_draft"] = {"served": True, "prefill": asyncio.run(
+            prefill(spec.url, 8, 512, 4, 1000, "x-"))}
+    except Exception as e:  # the exact error is the result
+        out["mla_draft"] = {"served": False, "error": str(e)[-4000:]}
+    finally:
+        stop_all([spec])
+    write_json(args, "kimi", out)
+    for f in ("kimi_dump_on.log", "kimi_mla_draft.log"):
+        p = args.work / "logs" / f
+        if p.exists():
+            (args.out / f).write_text(p.read_text(errors="replace")[-20000:])
+
+
+PHASES = {"dump": phase_dump, "serve": phase_serve, "kimi": phase_kimi}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--phases", nargs="+", choices=list(PHASES), default=list(PHASES))
+    p.add_argument("--out", type=Path, required=True, help="where the JSON results go")
+    p.add_argument("--work", type=Path, default=Path("/tmp/gs/work"))
+    p.add_argument("--sglang-site", required=True, help="folder holding sglang 0.5.17 et al.")
+    p.add_argument("--smollm2", type=Path, help="SmolLM2 converted folder (serve)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    status = 0
+    for name in args.phases:
+        t0 = time.time()
+        try:
+            PHASES[name](args)
+            log.info("phase %s done in %.0f s", name, time.time() - t0)
+        except Exception as e:
+            log.exception("phase %s failed", name)
+            (args.out / f"{name}_error.txt").write_text(f"{type(e).__name__}: {e}")
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
