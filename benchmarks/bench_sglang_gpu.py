@@ -79,6 +79,7 @@ log = logging.getLogger("bench_sglang_gpu")
 def run(cmd: list[str], log_path: Path, env: dict | None = None, check: bool = True) -> float:
     """Run a pipeline command, its output to `log_path`; returns its wall time."""
     t0 = time.time()
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                               env={**os.environ, **(env or {})})

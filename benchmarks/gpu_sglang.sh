@@ -63,11 +63,14 @@ print('sglang', sglang.__version__, 'transformers', transformers.__version__, 't
 import sglang.srt.entrypoints.http_server, sglang.srt.models.deepseek_v2, sglang.srt.models.kimi_k25_eagle3"
     python3 -m eagle3.extract.patching --sglang-dir $SITE || exit 1
     python3 -m eagle3.extract.patching --sglang-dir $SITE --check
+    bash "$0" dump
+    ;;
+dump)  # the dump phase, detached
     mkdir -p $G/out
     setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases dump --out $G/out \
         --sglang-site $SITE > $G/run_dump.log 2>&1 &
     echo $! > $G/dump.pid
-    sleep "${3:-60}"; tail -5 $G/run_dump.log; collect
+    sleep "${2:-30}"; tail -5 $G/run_dump.log; collect
     ;;
 start)  # parts 2-5 hold the GGUF: convert SmolLM2, then serve and kimi once dump is done
     bytes=$(awk '/bundle_bytes/ {print $1}' $G/parts/sha256)
@@ -89,7 +92,7 @@ follow)
     tail -3 $G/run_dump.log $G/run_serve.log 2>/dev/null; collect
     ;;
 *)
-    echo "usage: $0 split BUNDLE | part N | site | start [WAIT_S] | follow [WAIT_S]" >&2
+    echo "usage: $0 split BUNDLE | part N | site | dump [WAIT_S] | start [WAIT_S] | follow [WAIT_S]" >&2
     exit 2
     ;;
 esac
