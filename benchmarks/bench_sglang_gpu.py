@@ -226,7 +226,8 @@ def phase_dump(args) -> None:
 def phase_serve(args) -> None:
     w = args.work / "serve"
     prompts = str(DRAFT / "heldout_chat.jsonl")
-    mem = ["--mem-fraction-static", "0.35", "--context-length", "2048"]
+    mem = ["--mem-fraction-static", "0.35", "--context-length", "2048",
+           "--cuda-graph-max-bs", str(max(args.concurrency))]
     plain = server(args, args.smollm2, 30020, mem, "plain.log")
     spec = server(args, args.smollm2, 30021,
                   [*mem, *CHAIN3, "--speculative-draft-model-path", str(DRAFT / "final")],
@@ -320,7 +321,8 @@ def phase_kimi(args) -> None:
     target = kimi_target(w)
     dump_dir = w / "dumps"
     flags = [*DUMP_FLAGS, "--load-format", "dummy", "--mem-fraction-static", "0.42",
-             "--context-length", "8192", "--chunked-prefill-size", "8192"]
+             "--context-length", "8192", "--chunked-prefill-size", "8192",
+             "--cuda-graph-max-bs", "8"]
     on = server(args, target, 30030, flags, "kimi_dump_on.log", dump_dir)
     off = server(args, target, 30031, flags, "kimi_dump_off.log")
     out: dict = {"config": KIMI, "flags": flags}
@@ -354,7 +356,8 @@ def phase_kimi(args) -> None:
         shutil.rmtree(w / "x02b" / "02b_hidden_states", ignore_errors=True)
     draft = mla_draft(target, w / "mla_draft")
     spec = server(args, target, 30032, ["--load-format", "dummy", "--mem-fraction-static",
-                                        "0.7", "--context-length", "8192", *CHAIN3,
+                                        "0.7", "--context-length", "8192",
+                                        "--cuda-graph-max-bs", "8", *CHAIN3,
                                         "--speculative-draft-model-path", str(draft)],
                   "kimi_mla_draft.log")
     try:
