@@ -188,11 +188,11 @@ def phase_dump(args) -> None:
     run([sys.executable, "-m", "eagle3.tiny.target", "--out", str(tiny), "--arch",
          "deepseek_v3_vllm"], w / "tiny.log")
     target = sglang_target(tiny, w / "target", SGLANG_FIELDS)
-    vocab = json.loads((target / "tokenizer_config.json").read_text()).get("vocab_size") or 1000
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     lengths = [1, 7, 63, 64, 65, 300, 511, 513, 1000, 1500, 2047, 40] * 2
     runs = {}
     for name in ("hf_fp32", "hf_bf16", "sglang"):
-        write_merged(w / name, lengths, min(vocab, 1000))
+        write_merged(w / name, lengths, vocab)
     common = ["--target", str(target), "--capture-layers", "2", "4", "5"]
     runs["hf_fp32_s"] = run([sys.executable, "02b_extract_hidden_states_sglang.py", "--workdir",
                              str(w / "hf_fp32"), "--backend", "hf", "--device", "cuda",
@@ -202,7 +202,8 @@ def phase_dump(args) -> None:
         w / "02b_hf.log")
     dump_dir = w / "dumps"
     s = server(args, target, 30010, [*DUMP_FLAGS, "--chunked-prefill-size", "256",
-                                     "--mem-fraction-static", "0.2"], "dump_server.log",
+                                     "--mem-fraction-static", "0.2", "--cuda-graph-max-bs", "8"],
+               "dump_server.log",
                dump_dir)
     start_all([s])
     try:
