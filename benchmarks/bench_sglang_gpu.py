@@ -104,16 +104,20 @@ def server(args, model: Path, port: int, flags: list[str], log_name: str,
 
 
 def start_all(servers: list[LaunchedServer]) -> None:
-    """Start servers at once and wait until every one is ready (they load side by side)."""
-    for s in servers:
-        s.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with s.log_path.open("ab") as out:
-            s.proc = subprocess.Popen(s.command, stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True, env={**os.environ, **s.env})
-    t0 = time.time()
-    for s in servers:
-        asyncio.run(s._wait_ready())
-        log.info("%s ready after %.0f s", s.url, time.time() - t0)
+    """Start servers one after the other, each ready before the next starts: SGLang sizes its KV
+    cache from the memory free when it loads, which a server loading beside it takes away."""
+    try:
+        for s in servers:
+            s.log_path.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.time()
+            with s.log_path.open("ab") as out:
+                s.proc = subprocess.Popen(s.command, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True, env={**os.environ, **s.env})
+            asyncio.run(s._wait_ready())
+            log.info("%s ready after %.0f s", s.url, time.time() - t0)
+    except BaseException:
+        stop_all(servers)
+        raise
 
 
 def stop_all(servers: list[LaunchedServer]) -> None:
@@ -227,7 +231,7 @@ def phase_dump(args) -> None:
 def phase_serve(args) -> None:
     w = args.work / "serve"
     prompts = str(DRAFT / "heldout_chat.jsonl")
-    mem = ["--mem-fraction-static", "0.35", "--context-length", "2048",
+    mem = ["--mem-fraction-static", "0.3", "--context-length", "2048",
            "--cuda-graph-max-bs", str(max(args.concurrency))]
     plain = server(args, args.smollm2, 30020, mem, "plain.log")
     spec = server(args, args.smollm2, 30021,
@@ -321,7 +325,7 @@ def phase_kimi(args) -> None:
     w = args.work / "kimi"
     target = kimi_target(w)
     dump_dir = w / "dumps"
-    flags = [*DUMP_FLAGS, "--load-format", "dummy", "--mem-fraction-static", "0.42",
+    flags = [*DUMP_FLAGS, "--load-format", "dummy", "--mem-fraction-static", "0.4",
              "--context-length", "8192", "--chunked-prefill-size", "8192",
              "--cuda-graph-max-bs", "8"]
     on = server(args, target, 30030, flags, "kimi_dump_on.log", dump_dir)
