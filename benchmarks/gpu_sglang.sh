@@ -86,6 +86,16 @@ start)  # parts 2-5 hold the GGUF: convert SmolLM2, then serve and kimi once dum
         --sglang-site $SITE --smollm2 $G/smollm2" > $G/run_serve.log 2>&1 &
     sleep "${2:-60}"; tail -5 $G/run_serve.log; collect
     ;;
+restart)  # stop every server and driver, then run the given phases detached
+    shift
+    pkill -f "[b]ench_sglang_gpu.py"; pkill -f "[s]glang.launch_server"; sleep 5
+    pkill -9 -f "[s]glang.launch_server"; pkill -9 -f "[s]glang::"; sleep 2
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    rm -rf $G/work/serve $G/work/kimi $G/work/logs $G/out
+    mkdir -p $G/out
+    setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases "$@" --out $G/out \
+        --sglang-site $SITE --smollm2 $G/smollm2 > $G/run_serve.log 2>&1 &
+    ;;
 follow)
     end=$((SECONDS + ${2:-560}))
     while [ $SECONDS -lt $end ] && pgrep -f bench_sglang_gpu.py > /dev/null; do sleep 5; done
