@@ -91,7 +91,7 @@ restart)  # stop every server and driver, then run the given phases detached
     pkill -f "[b]ench_sglang_gpu.py"; pkill -f "[s]glang.launch_server"; sleep 5
     pkill -9 -f "[s]glang.launch_server"; pkill -9 -f "[s]glang::"; sleep 2
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
-    rm -rf $G/work/serve $G/work/kimi $G/work/logs $G/out
+    for ph in "$@"; do rm -rf "$G/work/$ph" "$G/out/${ph}_error.txt"; done
     mkdir -p $G/out
     setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases "$@" --out $G/out \
         --sglang-site $SITE --smollm2 $G/smollm2 > $G/run_serve.log 2>&1 &
