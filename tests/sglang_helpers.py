@@ -55,10 +55,13 @@ def patch_cli(package_dir: Path, *flags: str) -> subprocess.CompletedProcess:
                           text=True)
 
 
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def tree_sha256(package_dir: Path) -> dict[str, str]:
     """sha256 of every file of the package but bytecode caches (written by imports)."""
-    return {str(p.relative_to(package_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(package_dir.rglob("*"))
+    return {str(p.relative_to(package_dir)): file_sha256(p) for p in sorted(package_dir.rglob("*"))
             if p.is_file() and "__pycache__" not in p.parts}
 
 

@@ -50,8 +50,10 @@ def _free_port() -> int:
 def patched_sglang(sglang_python) -> PatchedSglang:
     """The SGLang venv with the project's dump hook applied by its CLI; reverted at the end,
     leaving every file as it was (checked)."""
+    from eagle3.extract.patching import MODEL_FILE, is_patched
+
     package_dir = sglang_package_dir(sglang_python)
-    if patch_cli(package_dir, "--check").returncode == 0:  # left patched by a killed run
+    if is_patched((package_dir / MODEL_FILE).read_text()):  # left patched by a killed run
         assert patch_cli(package_dir, "--revert").returncode == 0
     pristine = tree_sha256(package_dir)
     applied = patch_cli(package_dir)
