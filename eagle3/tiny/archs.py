@@ -56,7 +56,7 @@ def deepseek_v3_serving_fields(max_position_embeddings: int) -> dict:
     """DeepSeek-V3 config fields the serving engines read, as Kimi-K2.5's config has them.
 
     transformers' DeepseekV3 computes the same model with or without them (checked by
-    tests/test_tiny_target.py: same logits):
+    tests/tiny/test_tiny_target.py: same logits):
     - `topk_method: "noaux_tc"`, `scoring_func: "sigmoid"`: the routing transformers always does;
       without them vLLM's loader looks for no `e_score_correction_bias` (`KeyError`) and SGLang's
       `DeepseekV2MoE` reads `config.topk_method` (`AttributeError`).

@@ -12,7 +12,7 @@ with a 576-wide one (Kimi-K2.5's); a later chunk of the same prompt (cached pref
 path and reads the KV the first chunk never saved. The absorbed path (`AttnForwardMethod.MLA`)
 writes the latent KV and attends over it, for prefill, chunked prefill and decode alike; with it
 greedy output equals transformers' and the dumps equal the HF hidden states
-(tests/extract/test_extract_sglang_real.py).
+(tests/sglang/test_real_sglang_dump.py, test_real_sglang_generate.py).
 
 How it loads: `tests/sglang_support/eagle3_sglang_test_support-0.dist-info/entry_points.txt`
 declares `register` in SGLang's general plugin group `sglang.srt.plugins`, which SGLang's scheduler
