@@ -3,11 +3,11 @@
 # make demo-tiny: the same on the embedded tiny target (random weights; CPU, a few minutes).
 # make serve-demo: the committed reference SmolLM2 draft served by vLLM's CPU build beside plain
 #   SmolLM2: plain vs speculative tokens/s (a few minutes once vLLM is installed).
-# make test: the test suite (installs the test-only extras first).
+# make test: the test suite (installs the test-only extras, vLLM and SGLang venvs first).
 # make lint: ruff (pinned in requirements-test.txt) over the tree, as CI runs it.
 PY ?= python3
 
-.PHONY: install install-test install-vllm demo demo-stream demo-tiny serve-demo test lint
+.PHONY: install install-test install-vllm install-sglang demo demo-stream demo-tiny serve-demo test lint
 install: .installed
 .installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
@@ -41,6 +41,21 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
 
+# The real SGLang on CPU (the tests' dump, 01b, 02b and 05 servers) in a venv of its own: its
+# pins (torch 2.14.1, transformers 5.19.0, the CUDA stack) stay away from the pipeline's python.
+# sglang and exactly the wheels it imports, all --no-deps (requirements-sglang.txt says why);
+# the stand-ins it also imports and the MLA fix live in tests/sglang_support/ (test support,
+# put on the server's PYTHONPATH by the tests, never installed here).
+SGLANG_VENV ?= .venv-sglang
+install-sglang: $(SGLANG_VENV)/.installed
+$(SGLANG_VENV)/.installed: requirements-sglang.txt
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -r requirements-sglang.txt
+	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_support $(SGLANG_VENV)/bin/python -c \
+	    "import sglang.srt.entrypoints.http_server, sglang.srt.entrypoints.engine"
+	touch $@
+
 demo: install
 	bash demo_smollm2.sh runs/smollm2
 
@@ -58,8 +73,10 @@ serve-demo: install install-vllm
 	    --work runs/serve-demo --num-prompts 8 --max-new-tokens 96 --concurrency 1 4 \
 	    --no-offline --no-profile
 
-test: install-test install-vllm
-	EAGLE3_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q --durations=20 tests
+test: install-test install-vllm install-sglang
+	EAGLE3_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	    EAGLE3_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
+	    $(PY) -m pytest -q --durations=20 tests
 
 lint: install-test
 	$(PY) -m ruff check .

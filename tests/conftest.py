@@ -78,6 +78,20 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """The python of the SGLang venv (`make install-sglang`: .venv-sglang/; EAGLE3_SGLANG_PYTHON
+    points elsewhere). In CI (CI=true) a missing SGLang fails the test."""
+    python = os.environ.get("EAGLE3_SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
+    if not Path(python).is_file():
+        message = (f"no SGLang python at {python}: run `make install-sglang` or set "
+                   "EAGLE3_SGLANG_PYTHON")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+@pytest.fixture(scope="session")
 def llama_run(tmp_path_factory) -> Path:
     """The demo (demo.sh) on the tiny Llama target, run once: 01 -> 05 (hf)."""
     import os

@@ -3,16 +3,16 @@
 `--arch` of `python -m eagle3.tiny.target` picks one; the tokenizer and chat template are the same
 Kimi-style ones in every case, so every stage runs unchanged on each.
 
-- `deepseek_v3` (target.py): MLA with a 16-wide latent and MoE; transformers and the SGLang hook.
+- `deepseek_v3` (target.py): MLA with a 16-wide latent and MoE; transformers and SGLang.
 - `llama`: a dense Llama (head_dim 32, GQA 4/2). vLLM's CPU build serves it with an EAGLE-3
   draft (`LlamaForCausalLMEagle3`, the draft 04 trains), which a DeepSeek (MLA) target cannot
   do on CPU: vLLM finds no common KV block size for the MLA target (16) and the Llama draft
   (multiples of 32). An MLA draft (`Eagle3DeepseekV2ForCausalLM`) is the seam for that.
 - `deepseek_v3_vllm`: the DeepSeek-V3 target in the shape vLLM's CPU MLA kernel accepts:
-  `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (latent 576, the only size it has), and
-  `topk_method: "noaux_tc"`, `scoring_func: "sigmoid"` as DeepSeek-V3 and Kimi-K2.5 configs
-  carry (without them vLLM's loader looks for no `e_score_correction_bias` and fails with a
-  `KeyError`). transformers' DeepseekV3 always routes that way, so both compute the same model.
+  `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (latent 576, the only size it has; Kimi-K2.5's).
+
+Both DeepSeek-V3 shapes carry `deepseek_v3_serving_fields`: fields real DeepSeek-V3 and
+Kimi-K2.5 configs carry and transformers does not write by default, which the engines read.
 
     python -m eagle3.tiny.target --out runs/llama/target --arch llama
 """
@@ -48,6 +48,30 @@ def build_llama(cfg, vocab_size: int):
 
 
 def deepseek_v3_vllm_fields() -> dict:
-    """The DeepSeek-V3 config fields that make the tiny target servable by vLLM's CPU build."""
-    return {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid"}
+    """The DeepSeek-V3 latent sizes vLLM's CPU MLA kernel serves (Kimi-K2.5's: 512 + 64)."""
+    return {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def deepseek_v3_serving_fields(max_position_embeddings: int) -> dict:
+    """DeepSeek-V3 config fields the serving engines read, as Kimi-K2.5's config has them.
+
+    transformers' DeepseekV3 computes the same model with or without them (checked by
+    tests/tiny/test_tiny_target.py: same logits):
+    - `topk_method: "noaux_tc"`, `scoring_func: "sigmoid"`: the routing transformers always does;
+      without them vLLM's loader looks for no `e_score_correction_bias` (`KeyError`) and SGLang's
+      `DeepseekV2MoE` reads `config.topk_method` (`AttributeError`).
+    - `moe_layer_freq: 1`: every layer after `first_k_dense_replace` is MoE, as transformers
+      builds them; SGLang reads it.
+    - a yarn `rope_parameters` with `factor` 1.0: YaRN at factor 1 is plain RoPE (same inverse
+      frequencies, mscale 1); SGLang's CPU rotary embedding exists only as its `deepseek_yarn`
+      one (it asserts that type), which it picks only for a config with rope scaling.
+    """
+    return {
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "rope_parameters": {"rope_type": "yarn", "factor": 1.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": max_position_embeddings,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                            "mscale_all_dim": 1.0},
+    }

@@ -29,7 +29,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3.tiny.archs import ARCHS, build_llama, deepseek_v3_vllm_fields
+from eagle3.tiny.archs import (
+    ARCHS,
+    build_llama,
+    deepseek_v3_serving_fields,
+    deepseek_v3_vllm_fields,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +195,7 @@ def build_model(cfg: TinyTargetConfig, vocab_size: int):
         qk_nope_head_dim=16,
         v_head_dim=16,
         max_position_embeddings=cfg.max_position_embeddings,
+        **deepseek_v3_serving_fields(cfg.max_position_embeddings),
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,
