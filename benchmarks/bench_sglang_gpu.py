@@ -11,14 +11,14 @@ out of time still brings back what finished:
          hf on the same records, state by state (relative L2 error, beside HF bf16 against HF
          float32: the bf16 noise floor)
   serve  SmolLM2-135M-Instruct plain and with the committed chat draft (EAGLE3, chain of 3:
-         --speculative-num-steps 3, topk 1, 4 draft tokens), both servers started at once on the
-         one GPU, CUDA graphs on; 05 --backend sglang on the held-out chat prompts at each
+         --speculative-num-steps 3, topk 1, 4 draft tokens), both on the one GPU (started one after
+         the other: SGLang sizes its KV cache from the memory free while it loads), CUDA graphs on; 05 --backend sglang on the held-out chat prompts at each
          --concurrency (tokens/s of both, the ratio, served acceptance, outputs against plain);
          05 --backend hf (the offline evaluator, float32) on the same prompts
   kimi   a random-weight DeepSeek-V3 target at Kimi-K2.5's width (hidden 7168, 64 heads,
          576-wide latent, vocabulary 163840, `--load-format dummy`; 8 layers, 8 experts all
          active, so each layer computes what one of Kimi's does per token) served by the patched
-         SGLang twice at once, dump on and dump off: prefill tokens/s of each (the patch's cost),
+         SGLang twice side by side, dump on and dump off: prefill tokens/s of each (the patch's cost),
          02b's end-to-end tokens/s on the dump server; then the same target with an MLA draft
          (Eagle3DeepseekV2ForCausalLM, random weights) under EAGLE3: its first answers, or the
          exact error
