@@ -28,7 +28,7 @@ in flight (exit 143). Either way the files written are kept: re-run the same com
 Stream mode (`--stream`, beside `04_train.py --stream`): the eval split as above, then the train
 split in 04's reading order through a spool of at most `--spool-gb` (`<workdir>/02b_spool`), each
 file deleted by 04 once read; records are kept for later epochs while they fit, the rest are
-extracted again each epoch (eagle3/extract/stream.py; README "Stream mode").
+extracted again each epoch (eagle3/extract/stream.py; docs/stream.md).
 
 Tiny target (demo):
     python 02b_extract_hidden_states_sglang.py --workdir runs/demo --target runs/demo/target \\

@@ -19,7 +19,7 @@ checkpoint); a full or read-only disk stops with the folder and the bytes needed
 Stream mode (`--stream`, beside `02b ... --stream`): the train split's files come through 02b's
 spool as 02b writes them, in the order this run publishes there, and are deleted once loaded;
 `--gpu-memory-fraction` caps this run's GPU memory beside a colocated target server
-(eagle3/train/stream.py; README "Stream mode").
+(eagle3/train/stream.py; docs/stream.md).
 
 Tiny target (demo):
     OMP_NUM_THREADS=1 python 04_train.py --workdir runs/demo --target runs/demo/target \

@@ -36,7 +36,7 @@ runs, in case the machine is taken back):
   fitting start-up and steady rate on its first half and predicting when its last window
   arrived (`projection.validation`).
 
-One H200 (BENCHMARKS.md, "The whole stage, end to end"; started detached, since a device
+One H200 (BENCHMARKS.md, "Training stage (04), start to exit"; started detached, since a device
 command lasts 10 minutes at most, then followed through status.json):
     setsid nohup python3 benchmarks/bench_04_stage.py --out /tmp/b04 --files 120 --epochs 40 \
         > /tmp/b04.log 2>&1 &

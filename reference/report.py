@@ -1,5 +1,5 @@
 """The reference benchmark's results: one `summary.json` (every figure, raw) and `summary.md`
-(the tables of BENCHMARKS.md, "GPU reference pipeline"), assembled from the work folder.
+(the tables of BENCHMARKS.md, "GPU reference: ..."), assembled from the work folder.
 
 Everything is read back from files the run left (stage manifests, the runner's stage records,
 the 05 results, the sweep results), so the report can be rebuilt at any time:

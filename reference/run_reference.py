@@ -209,7 +209,7 @@ PROFILES["h200-unroll"] = replace(PROFILES["h200-compare"], phase3=("perstep",))
 # layers, hidden 576; captures [2, 15, 27]) regenerates the same corpus prompts, then 02b, 03, 04
 # and 05 as in `h200-compare`; phase 3 evaluates the checkpoints (acceptance against training
 # tokens) and the fp8-topk layout against main's bf16 states. The GGUF reaches the GPU host by
-# hand (BENCHMARKS.md, "SmolLM2 on one H200"); --gguf names it.
+# hand (BENCHMARKS.md, "SmolLM2 on the stdlib corpus"); --gguf names it.
 PROFILES["h200-smollm2"] = replace(
     PROFILES["h200-compare"], target_source="smollm2", target=(),
     phase3=("checkpoints", "topk"), bench_prompts=12)

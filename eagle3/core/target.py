@@ -74,6 +74,14 @@ def default_capture_layers(num_hidden_layers: int) -> list[int]:
 def _locate(path: Path, names: tuple[str, ...]) -> tuple[str, Path]:
     """(name, file) of the first of `names` in the checkpoint, found through the index when
     sharded (no shard is opened) or in the single `model.safetensors`."""
+    found = _find(path, names)
+    if not found:
+        raise TargetError(f"{path}: none of the tensors {names} is in the checkpoint")
+    return found[0]
+
+
+def _find(path: Path, names: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """[(name, file)] of those of `names` the checkpoint holds, in the order of `names`."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -88,9 +96,7 @@ def _locate(path: Path, names: tuple[str, ...]) -> tuple[str, Path]:
         with safe_open(single, "pt") as f:
             keys = set(f.keys())
         found = [(n, single) for n in names if n in keys]
-    if not found:
-        raise TargetError(f"{path}: none of the tensors {names} is in the checkpoint")
-    return found[0]
+    return found
 
 
 def load_target_tensor(path: Path, names: tuple[str, ...],
@@ -122,13 +128,37 @@ def load_embedding(path: Path) -> torch.Tensor:
     return load_target_tensor(path, EMBED_NAMES)
 
 
+def ties_embeddings(path: Path) -> bool | None:
+    """`tie_word_embeddings` of the target's config.json (a multimodal wrapper's `text_config`
+    first), or None when the config does not say (or there is no config.json)."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    for section in (cfg.get("text_config") or {}, cfg):
+        if isinstance(section.get("tie_word_embeddings"), bool):
+            return section["tie_word_embeddings"]
+    return None
+
+
 def load_lm_head(path: Path, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's output head `[vocab, H]`, or its `rows` (the embedding when tied)."""
-    try:
+    """The target's output head `[vocab, H]`, or its `rows`. A checkpoint without one is read
+    as tied (the embedding): quietly when config.json says `tie_word_embeddings: true` (SmolLM2),
+    with a warning when it does not say; a config that says false makes it an error."""
+    if _find(path, LM_HEAD_NAMES):
         return load_target_tensor(path, LM_HEAD_NAMES, rows)
-    except TargetError:
-        log.warning("no lm_head in %s: using the tied embedding", path)
-        return load_target_tensor(path, EMBED_NAMES, rows)
+    tied = ties_embeddings(path)
+    if tied is False:
+        raise TargetError(f"{path}: the checkpoint holds no lm_head ({' or '.join(LM_HEAD_NAMES)})"
+                          " and config.json says tie_word_embeddings: false, so the output head "
+                          "is missing, not the embedding: check the download is complete")
+    if tied:
+        log.info("no lm_head in %s: its embeddings are tied (tie_word_embeddings), using the "
+                 "embedding", path)
+    else:
+        log.warning("no lm_head in %s and its config.json does not say tie_word_embeddings: "
+                    "using the embedding as the output head", path)
+    return load_target_tensor(path, EMBED_NAMES, rows)
 
 
 TRUST_HELP = ("run the Python code the target folder ships (`auto_map` in its config.json or "

@@ -6,7 +6,7 @@ state into host memory (reused pinned buffers on CUDA; on one H200 the copy of a
 draft and its AdamW moments, 12.7 GB, made the next log window 0.33 s slower), then a writer
 thread waits for it, serialises, fsyncs and renames while training goes on. The pinned buffers
 are allocated by `reserve`, in a thread, after the first optimizer step: allocating them inside
-the first save had blocked the loop for 17.8 s (BENCHMARKS.md, "The whole stage, end to end").
+the first save had blocked the loop for 17.8 s (BENCHMARKS.md, "Training stage (04), start to exit").
 The rename stays last, so a kill mid-write leaves the previous checkpoint the latest complete
 one; one save is in flight at a time, and the stage waits for it before it
 exports or exits. A writer error (a full disk) is raised in the loop at the next save or at the

@@ -73,8 +73,8 @@ def fp8_supported(device: torch.device) -> str | None:
 def resolve_mode(mode: str, device: torch.device) -> bool:
     """Whether 04 trains with FP8 GEMMs. `auto` = what 04 recommends: off on every device, since
     the recipe `on` trains with fails the gradient criterion (eagle3/train/fp8_check.py) by ~25x
-    on the H200 and the one recipe that passes it is no faster than bf16 (BENCHMARKS.md, "Is FP8
-    sound?"); `on` forces it (experimental), and on a device without FP8 GEMMs is an error naming
+    on the H200 and the one recipe that passes it is no faster than bf16 (BENCHMARKS.md, "FP8
+    GEMMs in training"); `on` forces it (experimental), and on a device without FP8 GEMMs is an error naming
     the flag."""
     if mode not in MODES:
         raise ValueError(f"--fp8-gemm {mode!r}: expected one of {MODES}")
@@ -117,9 +117,9 @@ def fp8_linear(x_MK: torch.Tensor, qx_MK: torch.Tensor, sx: torch.Tensor, w_NK: 
 
     An operator rather than an `autograd.Function`: torch.compile treats it as opaque and takes
     its gradient from `register_autograd` below. A compiled H200 step with the
-    `autograd.Function` form got no gradient through these layers at all (BENCHMARKS.md, "FP8
-    GEMMs"). The quantisations happen outside it, in traced code, where torch.compile fuses them
-    into the neighbouring kernels.
+    `autograd.Function` form got no gradient through these layers at all. The quantisations
+    happen outside it, in traced code, where torch.compile fuses them into the neighbouring
+    kernels.
     """
     r = parse_recipe(recipe)
     if not r.fp8("f"):

@@ -17,7 +17,7 @@ says the FP8 step moves that gradient 25 times as far (in 1 - cos) as the 1% per
 `1 - cos` grows as the square of the relative error, so a ratio of 25 is a 5x larger relative
 gradient error.
 
-Figures (BENCHMARKS.md, "Is FP8 sound?"): the plain bf16 step passes (largest ratio 0.46 on CPU at
+Figures (BENCHMARKS.md, "FP8 GEMMs in training"): the plain bf16 step passes (largest ratio 0.46 on CPU at
 the `--mid` size); every FP8 recipe tried fails (per-row 47.9, 1x128 tiles with 128x128 weight
 blocks 44.4, e5m2 gradients 60.1, the weight-gradient GEMMs alone 7.0): e4m3's 3 mantissa bits
 round each operand by ~2.6%, more than the 1% perturbation by themselves.

@@ -192,8 +192,8 @@ def evaluate(model: TTTModel, batches, cfg: TrainConfig, rt: Runtime,
     The rows are the same at every eval. `keep` (a list) receives them as loaded, in host
     memory, while they total at most EVAL_CACHE_BYTES (it is emptied when they do not), so
     that later evals skip the loader: on one H200 at Kimi-K2.5 size an eval of 32 samples
-    waited 2.6-3.8 s of its 6-8 s for its 13 rows of 8192 tokens (BENCHMARKS.md, "The whole
-    stage, end to end"). The target's argmax of row i is scored once and kept in
+    waited 2.6-3.8 s of its 6-8 s for its 13 rows of 8192 tokens (BENCHMARKS.md, "Training
+    stage (04), start to exit"). The target's argmax of row i is scored once and kept in
     `greedy_cache`. `parts` gets the seconds spent waiting for rows (`wait_s`) and from the
     end of the forward's launch to the end of the estimate (`estimate_s`: it ends on host
     copies, so it also holds the forward's unfinished GPU work). Eager, not through the

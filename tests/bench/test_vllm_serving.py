@@ -21,7 +21,7 @@ from eagle3.core.preflight import PreflightError
 # their Llama demo run (pytest sets up session fixtures before module ones, in the order named).
 pytestmark = pytest.mark.usefixtures("vllm_python")
 
-# Measured (BENCHMARKS.md, "vLLM served vs offline"): identical, 172 rounds and 78 accepted
+# Measured (BENCHMARKS.md, "vLLM served equals offline"): identical, 172 rounds and 78 accepted
 # tokens on both sides, per position too. The tolerance leaves room for one or two argmax ties
 # that float32 kernels may break differently on another CPU (each moves it by ~1/172).
 AGREEMENT_TOLERANCE = 0.015

@@ -3,7 +3,7 @@
 The draft of `smollm2_run` (tests/smollm2_helpers.py: 04 on 20 of SmolLM2's own replies) against
 a plain and a speculative vLLM server, on the same 4 held-out chat prompts, 24 new tokens and
 chain of 3 as that run's offline 05: the served acceptance must equal the offline evaluator's.
-Measured 2026-12-03 (BENCHMARKS.md, "SmolLM2 served by vLLM"): equal to the last digit, 84
+Measured 2026-12-03 (BENCHMARKS.md, "vLLM served equals offline"): equal to the last digit, 84
 verify rounds and 8 accepted draft tokens on both sides, outputs identical. A greedy argmax that
 float32 kernels break differently on another CPU would end one round early or late; the
 tolerance allows one such round (3 draft tokens of the chain over the run's rounds).

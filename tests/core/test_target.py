@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -85,10 +86,42 @@ def test_lm_head_rows_must_be_ascending(tmp_path):
         load_lm_head(tmp_path, torch.tensor([3, 2]))
 
 
-def test_tied_target_falls_back_to_the_embedding_rows(tmp_path):
+def _headless(tmp_path, config: dict | None) -> torch.Tensor:
+    """A checkpoint with an embedding and no lm_head, and `config` as its config.json."""
     embed = torch.randn(20, 4)
     save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "model.safetensors"))
-    assert torch.equal(load_lm_head(tmp_path, torch.tensor([1, 5])), embed[[1, 5]])
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    return embed
+
+
+@pytest.mark.parametrize("config", [{"tie_word_embeddings": True},
+                                    {"text_config": {"tie_word_embeddings": True}}])
+def test_a_target_whose_config_ties_its_embeddings_reads_the_embedding_without_a_warning(
+        tmp_path, caplog, config):
+    """SmolLM2 (the demo's target) ships no lm_head because its config ties it: the normal
+    case, logged at INFO, never a WARNING on the demo's happy path."""
+    embed = _headless(tmp_path, config)
+    with caplog.at_level("INFO", logger="eagle3.core.target"):
+        assert torch.equal(load_lm_head(tmp_path, torch.tensor([1, 5])), embed[[1, 5]])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "tied" in caplog.text
+
+
+def test_a_target_whose_config_does_not_say_it_is_tied_reads_the_embedding_with_a_warning(
+        tmp_path, caplog):
+    embed = _headless(tmp_path, None)
+    with caplog.at_level("INFO", logger="eagle3.core.target"):
+        assert torch.equal(load_lm_head(tmp_path, torch.tensor([1, 5])), embed[[1, 5]])
+    assert [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_target_whose_config_says_untied_and_has_no_lm_head_is_an_error(tmp_path):
+    """Untied and no head: the output head is missing (a cut download), and the embedding is
+    not it."""
+    _headless(tmp_path, {"tie_word_embeddings": False})
+    with pytest.raises(TargetError, match="tie_word_embeddings: false"):
+        load_lm_head(tmp_path)
 
 
 def test_target_info_reads_a_multimodal_wrapper_and_rope_parameters(tmp_path):

@@ -1,5 +1,5 @@
-"""Every command of train_plan_v4.md, README.md and BENCHMARKS.md runs through the real
-argument parsers.
+"""Every command of train_plan_v4.md, README.md, BENCHMARKS.md and docs/*.md runs through the
+real argument parsers.
 
 Shell code blocks are split into commands (line continuations joined, comments, redirections
 and pipes cut, `VAR=value` prefixes kept aside). Our scripts (`python NN_*.py`, `python
@@ -35,7 +35,8 @@ from unittest import mock
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("train_plan_v4.md", "README.md", "BENCHMARKS.md")
+DOCS = ("train_plan_v4.md", "README.md", "BENCHMARKS.md",  # and the pages the README links
+        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 SGLANG_VERSION = "0.5.23"  # the release the plan's server commands are written for
 KIMI_TARGET = "/models/Kimi-K2.5"  # the plan's target folder; the tiny target stands in here
 # Modules whose main() has no parser and is harmless to run (prints a table).

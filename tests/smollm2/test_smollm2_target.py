@@ -78,3 +78,19 @@ def test_a_damaged_gguf_is_refused_by_its_sha256(tmp_path):
     with pytest.raises(smol.SmolLM2Error, match="sha256"):
         smol.build_smollm2_target(tmp_path / "t", gguf=bad)
     assert not (tmp_path / "t").exists()
+
+
+def test_its_lm_head_is_its_tied_embedding_read_without_a_warning(smollm2_target_dir, caplog):
+    """SmolLM2 ships no lm_head: its config ties it to the embedding. That is the normal case
+    (04 and the fp8-topk teacher read it), so `make demo` logs it at INFO, never as a WARNING."""
+    import logging
+
+    import torch
+
+    from eagle3.core.target import load_embedding, load_lm_head
+
+    rows = torch.tensor([0, 2, 49151])
+    with caplog.at_level(logging.INFO, logger="eagle3.core.target"):
+        head = load_lm_head(smollm2_target_dir, rows)
+    assert torch.equal(head, load_embedding(smollm2_target_dir)[rows])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -1,4 +1,4 @@
-"""What 04's evaluation costs the loop (BENCHMARKS.md, "The whole stage, end to end"): its rows
+"""What 04's evaluation costs the loop (BENCHMARKS.md, "Training stage (04), start to exit"): its rows
 are loaded once per run and kept, the target's argmax of each eval row is scored once per run,
 and neither changes a figure."""
 
