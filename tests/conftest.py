@@ -61,34 +61,30 @@ def demo_run(tmp_path_factory) -> Path:
     return workdir
 
 
-@pytest.fixture(scope="session")
-def vllm_python() -> str:
-    """The python of a vLLM venv (`make install-vllm`: .venv-vllm/; EAGLE3_VLLM_PYTHON points
-    elsewhere, e.g. /opt/vllm-venv/bin/python). In CI (CI=true) a missing vLLM fails the test."""
-    import os
-
-    python = os.environ.get("EAGLE3_VLLM_PYTHON") or str(ROOT / ".venv-vllm/bin/python")
+def _venv_python(variable: str, venv: str, make_target: str, engine: str) -> str:
+    """The python of an engine's venv: $variable, else ROOT/venv. Missing: a failure in CI
+    (CI=true: a skipped engine test is not a passed one), a skip elsewhere."""
+    python = os.environ.get(variable) or str(ROOT / venv / "bin/python")
     if not Path(python).is_file():
-        message = (f"no vLLM python at {python}: run `make install-vllm` or set "
-                   "EAGLE3_VLLM_PYTHON")
+        message = f"no {engine} python at {python}: run `make {make_target}` or set {variable}"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)
     return python
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of the vLLM venv (`make install-vllm`: .venv-vllm/; EAGLE3_VLLM_PYTHON points
+    elsewhere, e.g. /opt/vllm-venv/bin/python)."""
+    return _venv_python("EAGLE3_VLLM_PYTHON", ".venv-vllm", "install-vllm", "vLLM")
 
 
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
     """The python of the SGLang venv (`make install-sglang`: .venv-sglang/; EAGLE3_SGLANG_PYTHON
-    points elsewhere). In CI (CI=true) a missing SGLang fails the test."""
-    python = os.environ.get("EAGLE3_SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
-    if not Path(python).is_file():
-        message = (f"no SGLang python at {python}: run `make install-sglang` or set "
-                   "EAGLE3_SGLANG_PYTHON")
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return python
+    points elsewhere)."""
+    return _venv_python("EAGLE3_SGLANG_PYTHON", ".venv-sglang", "install-sglang", "SGLang")
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -109,3 +110,16 @@ def log_problems(log: Path) -> list[str]:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def post_generate(url: str, body: dict) -> dict:
+    """The server's JSON answer to one `/generate` request."""
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def get_json(url: str, path: str) -> dict:
+    with urllib.request.urlopen(url + path, timeout=30) as r:
+        return json.loads(r.read())

@@ -6,9 +6,7 @@ tests/sglang_helpers.py; servers: tests/sglang/conftest.py."""
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,9 +14,11 @@ import torch
 from sglang_helpers import (
     assert_bf16_close,
     file_sha256,
+    get_json,
     hf_states,
     log_problems,
     patch_cli,
+    post_generate,
     recorded_sha256,
     tree_sha256,
 )
@@ -28,18 +28,6 @@ from eagle3.extract.sglang_dump import dump_file_path, load_dump
 
 # Short prompts share a prefill pass (chunk budget 8 tokens); long ones take 3 and 5 chunks.
 LENGTHS = [3, 4, 2, 21, 37, 5]
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
-def _get(url: str, path: str) -> dict:
-    with urllib.request.urlopen(url + path, timeout=30) as r:
-        return json.loads(r.read())
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +53,14 @@ def test_patch_cli_reverts_leaving_sglang_byte_identical(patched_sglang):
 
 def test_dumps_equal_hf_states_when_prompts_are_chunked_and_share_passes(sglang_server,
                                                                          hf_model):
-    info = _get(sglang_server.url, "/server_info")
+    info = get_json(sglang_server.url, "/server_info")
     assert info["chunked_prefill_size"] == 8 and info["dtype"] == "float32"
     gen = torch.Generator().manual_seed(len(sglang_server.latent))
     prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in LENGTHS]
     rids = [f"eagle3-dump-{sglang_server.latent}-{i}" for i in range(len(prompts))]
     log_start = sglang_server.log.stat().st_size
     with ThreadPoolExecutor(len(prompts)) as pool:  # all in flight at once
-        answers = list(pool.map(lambda a: _post(sglang_server.url, {
+        answers = list(pool.map(lambda a: post_generate(sglang_server.url, {
             "input_ids": a[0], "rid": a[1], "sampling_params": {"max_new_tokens": 1}}),
             zip(prompts, rids)))
     H = hf_model.config.hidden_size

@@ -6,22 +6,9 @@ token the same way; its `/server_info` and `/model_info` keys exist in the real 
 
 from __future__ import annotations
 
-import json
-import urllib.request
+from sglang_helpers import get_json, post_generate
 
 from eagle3.testing.fake_sglang import FakeSGLang
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
-def _get(url: str, path: str) -> dict:
-    with urllib.request.urlopen(url + path, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def _shape(value):
@@ -43,7 +30,7 @@ def _assert_fake_within_real(fake: dict, real: dict, where: str) -> None:
 
 def test_fake_sglang_answers_generate_in_the_real_servers_shape(sglang_server):
     prompt = [3, 5, 100, 200, 7]
-    real_plain = _post(sglang_server.url, {"input_ids": prompt, "rid": "shape-0",
+    real_plain = post_generate(sglang_server.url, {"input_ids": prompt, "rid": "shape-0",
                                            "sampling_params": {"max_new_tokens": 6,
                                                                "temperature": 0}})
     stop_id = real_plain["output_ids"][2]  # a stop token the greedy reply meets third
@@ -52,12 +39,12 @@ def test_fake_sglang_answers_generate_in_the_real_servers_shape(sglang_server):
                                     {"max_new_tokens": 6, "temperature": 0,
                                      "stop_token_ids": [stop_id]}]):
             body = {"input_ids": prompt, "rid": f"shape-{n + 1}", "sampling_params": params}
-            real = _post(sglang_server.url, body)
+            real = post_generate(sglang_server.url, body)
             # the fake's answer is a function of the prompt: find one that ends the same way
-            fake_ans = _post(fake.url, body)
+            fake_ans = post_generate(fake.url, body)
             want_kind = real["meta_info"]["finish_reason"]["type"]
             if fake_ans["meta_info"]["finish_reason"]["type"] != want_kind:
-                fake_ans = next(a for a in (_post(fake.url, {**body, "input_ids": prompt + [i]})
+                fake_ans = next(a for a in (post_generate(fake.url, {**body, "input_ids": prompt + [i]})
                                             for i in range(400))
                                 if a["meta_info"]["finish_reason"]["type"] == want_kind)
             _assert_fake_within_real(fake_ans, real, f"/generate {params}")
@@ -73,4 +60,4 @@ def test_fake_sglang_answers_generate_in_the_real_servers_shape(sglang_server):
                     assert answer["output_ids"][-1] == stop_id  # the stop token is kept
             assert real["output_ids"] == real_plain["output_ids"][:len(real["output_ids"])]
         for path in ("/server_info", "/model_info"):
-            _assert_fake_within_real(_get(fake.url, path), _get(sglang_server.url, path), path)
+            _assert_fake_within_real(get_json(fake.url, path), get_json(sglang_server.url, path), path)
