@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from eagle3.core.launcher import LaunchedServer  # noqa: E402
 from eagle3.core.records import JsonlAppender  # noqa: E402
 from eagle3.core.stage import open_stage  # noqa: E402
+from eagle3.tiny.archs import deepseek_v3_serving_fields  # noqa: E402
 
 DRAFT = ROOT / "tests/fixtures/smollm2_chat_draft"
 COMMON = ["--dtype", "bfloat16", "--attention-backend", "triton", "--sampling-backend",
@@ -57,11 +58,6 @@ COMMON = ["--dtype", "bfloat16", "--attention-backend", "triton", "--sampling-ba
 DUMP_FLAGS = ["--disable-radix-cache"]  # cached prefixes would not be recomputed, nor dumped
 CHAIN3 = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
           "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-# the SGLang fields a DeepSeek-V3 config needs beside transformers' (Kimi's config has them):
-# yarn with factor 1.0 computes plain RoPE and a softmax scale of 1 (HF and SGLang alike)
-SGLANG_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
-YARN_1 = {"rope_type": "yarn", "type": "yarn", "factor": 1.0, "beta_fast": 32, "beta_slow": 1,
-          "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}
 KIMI = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
         "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 18432,
@@ -69,7 +65,7 @@ KIMI = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 6
         "n_routed_experts": 8, "num_experts_per_tok": 8, "n_shared_experts": 1,
         "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.827, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
-        "rope_theta": 50000.0, "max_position_embeddings": 8192,
+        "max_position_embeddings": 8192,
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
@@ -147,26 +143,6 @@ def write_merged(workdir: Path, lengths: list[int], vocab: int, seed: int = 0) -
     return tokens
 
 
-def sglang_target(src: Path, dst: Path, extra: dict) -> Path:
-    """A copy of the target folder whose config carries `extra` (weights linked, not copied)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.name != "config.json" and not (dst / f.name).exists():
-            os.symlink(f.resolve(), dst / f.name)
-    config = with_sglang_fields({**json.loads((src / "config.json").read_text()), **extra})
-    (dst / "config.json").write_text(json.dumps(config, indent=1))
-    return dst
-
-
-def with_sglang_fields(config: dict) -> dict:
-    """`config` with SGLANG_FIELDS and a yarn rope of factor 1.0 (same theta) under both names."""
-    rope = config.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    rope = {**YARN_1, "rope_theta": theta}
-    return {**config, **SGLANG_FIELDS, "rope_parameters": rope, "rope_scaling": rope,
-            "rope_theta": theta}
-
-
 def compare_states(a_dir: Path, b_dir: Path) -> dict:
     """Per state, the worst and mean relative L2 error of b against a over every file."""
     files = sorted(p.relative_to(a_dir) for p in a_dir.rglob("data_*.pt"))
@@ -191,7 +167,7 @@ def phase_dump(args) -> None:
     tiny = w / "tiny"
     run([sys.executable, "-m", "eagle3.tiny.target", "--out", str(tiny), "--arch",
          "deepseek_v3_vllm"], w / "tiny.log")
-    target = sglang_target(tiny, w / "target", SGLANG_FIELDS)
+    target = tiny  # the tiny targets carry the fields SGLang reads (deepseek_v3_serving_fields)
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     lengths = [1, 7, 63, 64, 65, 300, 511, 513, 1000, 1500, 2047, 40] * 2
     runs = {}
@@ -302,7 +278,8 @@ def kimi_target(w: Path) -> Path:
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, target / f.name)
-    (target / "config.json").write_text(json.dumps(with_sglang_fields(KIMI), indent=1))
+    config = {**KIMI, **deepseek_v3_serving_fields(KIMI["max_position_embeddings"])}
+    (target / "config.json").write_text(json.dumps(config, indent=1))
     return target
 
 
@@ -315,7 +292,7 @@ def mla_draft(target: Path, out: Path) -> Path:
                       head_dim=192, intermediate_size=18432, vocab_size=163840,
                       draft_vocab_size=32000, target_hidden_size=7168, capture_layers=[2, 4, 5],
                       arch="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                      qk_rope_head_dim=64, v_head_dim=128, rope_theta=50000.0)
+                      qk_rope_head_dim=64, v_head_dim=128)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(sglang_config(cfg, "0.5.17"), indent=1))
     return out

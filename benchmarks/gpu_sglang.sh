@@ -102,7 +102,7 @@ follow)
     tail -3 $G/run_dump.log $G/run_serve.log 2>/dev/null; collect
     ;;
 *)
-    echo "usage: $0 split BUNDLE | part N | site | dump [WAIT_S] | start [WAIT_S] | follow [WAIT_S]" >&2
+    echo "usage: $0 split BUNDLE | part N | site | dump [WAIT_S] | start [WAIT_S] | restart PHASE... | follow [WAIT_S]" >&2
     exit 2
     ;;
 esac
