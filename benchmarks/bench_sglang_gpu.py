@@ -33,12 +33,12 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import shutil
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import aiohttp
@@ -48,8 +48,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eagle3.core.launcher import LaunchedServer  # noqa: E402
+from eagle3.core.presets import draft_fields, get_preset  # noqa: E402
 from eagle3.core.records import JsonlAppender  # noqa: E402
 from eagle3.core.stage import open_stage  # noqa: E402
+from eagle3.core.target import default_capture_layers  # noqa: E402
+from eagle3.draft.export import sglang_config  # noqa: E402
+from eagle3.draft.mla import mla_draft_config, read_mla_dims  # noqa: E402
+from eagle3.draft.model import DraftConfig  # noqa: E402
 from eagle3.tiny.archs import deepseek_v3_serving_fields  # noqa: E402
 
 DRAFT = ROOT / "tests/fixtures/smollm2_chat_draft"
@@ -58,10 +63,14 @@ COMMON = ["--dtype", "bfloat16", "--attention-backend", "triton", "--sampling-ba
 DUMP_FLAGS = ["--disable-radix-cache"]  # cached prefixes would not be recomputed, nor dumped
 CHAIN3 = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
           "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-KIMI = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+# Kimi-K2.5's width (eagle3/core/presets.py) and its MLA sizes, at 8 layers (captures [2, 4, 5])
+# with 8 experts all active: each layer computes per token what one of Kimi's does
+_K = get_preset("kimi-k2.5")
+KIMI = {"hidden_size": _K.hidden_size, "num_attention_heads": _K.num_attention_heads,
+        "num_key_value_heads": _K.num_attention_heads, "vocab_size": _K.vocab_size,
+        "intermediate_size": _K.intermediate_size, "num_hidden_layers": 8,
         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 18432,
-        "moe_intermediate_size": 2048, "vocab_size": 163840, "num_hidden_layers": 8,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "moe_intermediate_size": 2048,
         "n_routed_experts": 8, "num_experts_per_tok": 8, "n_shared_experts": 1,
         "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.827, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
@@ -72,13 +81,12 @@ KIMI = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 6
 log = logging.getLogger("bench_sglang_gpu")
 
 
-def run(cmd: list[str], log_path: Path, env: dict | None = None, check: bool = True) -> float:
+def run(cmd: list[str], log_path: Path, check: bool = True) -> float:
     """Run a pipeline command, its output to `log_path`; returns its wall time."""
     t0 = time.time()
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                              env={**os.environ, **(env or {})})
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     if check and proc.returncode != 0:
         tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"{cmd[:3]} exited {proc.returncode}:\n{tail}")
@@ -93,32 +101,18 @@ def server(args, model: Path, port: int, flags: list[str], log_name: str,
     env = {"PYTHONPATH": args.sglang_site}
     if dump_dir is not None:
         env["EAGLE3_DUMP_DIR"] = str(dump_dir)
-    s = LaunchedServer(cmd, args.work / "logs" / log_name, f"http://127.0.0.1:{port}",
-                       ready_timeout_s=900)
-    s.env = env
-    return s
+    return LaunchedServer(cmd, args.work / "logs" / log_name, f"http://127.0.0.1:{port}",
+                          ready_timeout_s=900, env=env)
 
 
-def start_all(servers: list[LaunchedServer]) -> None:
-    """Start servers one after the other, each ready before the next starts: SGLang sizes its KV
-    cache from the memory free when it loads, which a server loading beside it takes away."""
-    try:
-        for s in servers:
-            s.log_path.parent.mkdir(parents=True, exist_ok=True)
-            t0 = time.time()
-            with s.log_path.open("ab") as out:
-                s.proc = subprocess.Popen(s.command, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True, env={**os.environ, **s.env})
-            asyncio.run(s._wait_ready())
-            log.info("%s ready after %.0f s", s.url, time.time() - t0)
-    except BaseException:
-        stop_all(servers)
-        raise
-
-
-def stop_all(servers: list[LaunchedServer]) -> None:
+def started(stack: ExitStack, *servers: LaunchedServer) -> float:
+    """Start servers one after the other, each ready before the next starts (SGLang sizes its KV
+    cache from the memory free while it loads, which a server loading beside it takes away);
+    `stack` stops them. Returns the seconds it took."""
+    t0 = time.time()
     for s in servers:
-        s.stop()
+        stack.enter_context(s)
+    return time.time() - t0
 
 
 def write_json(args, name: str, data: dict) -> None:
@@ -183,16 +177,13 @@ def phase_dump(args) -> None:
     dump_dir = w / "dumps"
     s = server(args, target, 30010, [*DUMP_FLAGS, "--chunked-prefill-size", "256",
                                      "--mem-fraction-static", "0.2", "--cuda-graph-max-bs", "8"],
-               "dump_server.log",
-               dump_dir)
-    start_all([s])
-    try:
+               "dump_server.log", dump_dir)
+    with ExitStack() as stack:
+        started(stack, s)
         runs["sglang_s"] = run([sys.executable, "02b_extract_hidden_states_sglang.py",
                                 "--workdir", str(w / "sglang"), "--backend", "sglang",
                                 "--server-url", s.url, "--dump-dir", str(dump_dir),
                                 "--concurrency", "8", *common], w / "02b_sglang.log")
-    finally:
-        stop_all([s])
     hook = [x for x in s.log_path.read_text(errors="replace").splitlines() if "captur" in x]
     base = w / "hf_fp32" / "02b_hidden_states"
     write_json(args, "dump", {
@@ -213,21 +204,17 @@ def phase_serve(args) -> None:
     spec = server(args, args.smollm2, 30021,
                   [*mem, *CHAIN3, "--speculative-draft-model-path", str(DRAFT / "final")],
                   "spec.log")
-    t0 = time.time()
-    start_all([plain, spec])
-    started = time.time() - t0
     bench = [sys.executable, "05_benchmark.py", "--workdir", str(w / "served"), "--target",
              str(args.smollm2), "--draft", str(DRAFT / "final"), "--backend", "sglang",
              "--baseline-url", plain.url, "--spec-url", spec.url, "--prompt-sets", prompts,
              "--num-prompts", str(args.num_prompts), "--max-new-tokens",
              str(args.max_new_tokens), "--temperature", "0", "--sglang-version", "0.5.17",
              "--concurrency", *[str(c) for c in args.concurrency]]
-    try:
+    with ExitStack() as stack:
+        start_s = started(stack, plain, spec)
         served_s = run(bench, w / "05_served.log", check=False)
-    finally:
-        stop_all([plain, spec])
     served = w / "served" / "05_benchmark" / "results.json"
-    out = {"server_start_s": started, "served_s": served_s,
+    out = {"server_start_s": start_s, "served_s": served_s,
            "served": json.loads(served.read_text()) if served.exists() else None,
            "served_log_tail": (w / "05_served.log").read_text(errors="replace")[-4000:]}
     write_json(args, "serve", out)
@@ -284,15 +271,11 @@ def kimi_target(w: Path) -> Path:
 
 
 def mla_draft(target: Path, out: Path) -> Path:
-    """config.json of an MLA draft for the Kimi-shape target (weights: SGLang's dummy load)."""
-    from eagle3.draft.export import sglang_config
-    from eagle3.draft.model import DraftConfig
-
-    cfg = DraftConfig(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
-                      head_dim=192, intermediate_size=18432, vocab_size=163840,
-                      draft_vocab_size=32000, target_hidden_size=7168, capture_layers=[2, 4, 5],
-                      arch="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                      qk_rope_head_dim=64, v_head_dim=128)
+    """config.json of the MLA draft 04 sizes from `target` (weights: SGLang's dummy load); its
+    MLP is the target's dense one."""
+    base = DraftConfig(**{**draft_fields("kimi-k2.5"), "intermediate_size": _K.intermediate_size,
+                          "capture_layers": default_capture_layers(KIMI["num_hidden_layers"])})
+    cfg = mla_draft_config(base, read_mla_dims(target))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(sglang_config(cfg, "0.5.17"), indent=1))
     return out
@@ -308,24 +291,22 @@ def phase_kimi(args) -> None:
     on = server(args, target, 30030, flags, "kimi_dump_on.log", dump_dir)
     off = server(args, target, 30031, flags, "kimi_dump_off.log")
     out: dict = {"config": KIMI, "flags": flags}
-    t0 = time.time()
-    start_all([on, off])
-    out["server_start_s"] = time.time() - t0
-    try:
-        for length in (2048,):
-            for name, s, prefix in (("dump_off", off, "eagle3-"), ("dump_on", on, "eagle3-"),
-                                    ("dump_off_again", off, "eagle3-")):
-                out[f"prefill_{name}_{length}"] = asyncio.run(
-                    prefill(s.url, 64, length, 8, 1000, prefix))
-                shutil.rmtree(dump_dir, ignore_errors=True)
-                dump_dir.mkdir(exist_ok=True)
-                write_json(args, "kimi", out)
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, w / "x02b" / "02b_hidden_states", ignore_errors=True)
+        out["server_start_s"] = started(stack, on, off)
+        # the same 64 prompts of 2,048 tokens off, on (dumped: the default rid prefix), off again
+        for name, s in (("dump_off", off), ("dump_on", on), ("dump_off_again", off)):
+            out[f"prefill_{name}_2048"] = asyncio.run(prefill(s.url, 64, 2048, 8, 1000,
+                                                              "eagle3-"))
+            shutil.rmtree(dump_dir, ignore_errors=True)
+            dump_dir.mkdir(exist_ok=True)
+            write_json(args, "kimi", out)
         tokens = write_merged(w / "x02b", [2048] * 96, 1000)
         out["02b_tokens"] = tokens
         out["02b_s"] = run([sys.executable, "02b_extract_hidden_states_sglang.py", "--workdir",
                             str(w / "x02b"), "--target", str(target), "--backend", "sglang",
                             "--server-url", on.url, "--dump-dir", str(dump_dir),
-                            "--capture-layers", "2", "4", "5", "--concurrency", "16"],
+                            "--concurrency", "16"],
                            w / "02b.log", check=False)
         out["02b_tokens_per_s"] = tokens / out["02b_s"]
         out["02b_log_tail"] = (w / "02b.log").read_text(errors="replace")[-3000:]
@@ -333,9 +314,6 @@ def phase_kimi(args) -> None:
                             capture_output=True, text=True).stdout.split()
         out["02b_bytes"] = int(du[0]) if du else None
         write_json(args, "kimi", out)
-    finally:
-        stop_all([on, off])
-        shutil.rmtree(w / "x02b" / "02b_hidden_states", ignore_errors=True)
     draft = mla_draft(target, w / "mla_draft")
     spec = server(args, target, 30032, ["--load-format", "dummy", "--mem-fraction-static",
                                         "0.7", "--context-length", "8192",
@@ -343,13 +321,12 @@ def phase_kimi(args) -> None:
                                         "--speculative-draft-model-path", str(draft)],
                   "kimi_mla_draft.log")
     try:
-        start_all([spec])
-        out["mla_draft"] = {"served": True, "prefill": asyncio.run(
-            prefill(spec.url, 8, 512, 4, 1000, "x-"))}
+        with ExitStack() as stack:
+            started(stack, spec)
+            out["mla_draft"] = {"served": True, "prefill": asyncio.run(
+                prefill(spec.url, 8, 512, 4, 1000, "x-"))}
     except Exception as e:  # the exact error is the result
         out["mla_draft"] = {"served": False, "error": str(e)[-4000:]}
-    finally:
-        stop_all([spec])
     write_json(args, "kimi", out)
     for f in ("kimi_dump_on.log", "kimi_mla_draft.log"):
         p = args.work / "logs" / f

@@ -52,8 +52,9 @@ class LaunchedServer:
 
     def __init__(self, command: list[str], log_path: Path, url: str,
                  ready_timeout_s: float = 3600.0, stop_timeout_s: float = 60.0,
-                 ready_paths: tuple[str, ...] = MODEL_INFO_PATHS):
+                 ready_paths: tuple[str, ...] = MODEL_INFO_PATHS, env: dict | None = None):
         self.command, self.log_path, self.url = command, Path(log_path), url
+        self.env = env or {}  # set on top of this process's environment
         self.ready_paths = ready_paths  # vLLM: ("/v1/models",)
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -63,7 +64,8 @@ class LaunchedServer:
         log.info("starting %s (log: %s)", shlex.join(self.command), self.log_path)
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         env={**os.environ, **self.env})
         try:
             t0 = time.time()
             asyncio.run(self._wait_ready())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -260,6 +261,18 @@ def test_launched_server_stops_its_process_when_the_block_ends(tmp_path, fake_sg
     with server:
         assert server.proc.poll() is None
     assert server.proc.poll() is not None
+
+
+def test_launched_server_runs_with_its_env_over_this_process_environment(tmp_path):
+    seen = tmp_path / "seen"
+    script = ("import os, sys; open(sys.argv[1], 'w').write("
+              "os.environ['EAGLE3_SERVER_T'] + ' ' + os.environ['PATH'][:1]); sys.exit(3)")
+    command = [sys.executable, "-c", script, str(seen)]
+    with pytest.raises(LaunchError, match="exited with status 3"):
+        with LaunchedServer(command, tmp_path / "s.log", "http://127.0.0.1:1", 30,
+                            env={"EAGLE3_SERVER_T": "from-env"}):
+            pass
+    assert seen.read_text() == "from-env " + os.environ["PATH"][:1]
 
 
 def test_sglang_command_refuses_a_port_in_launch_args():

@@ -78,11 +78,8 @@ def sglang_server(request, sglang_python, patched_sglang, tmp_path_factory) -> R
     url = f"http://127.0.0.1:{port}"
     log = work / "server.log"
     command = sglang_command(sglang_python, f"--model-path {target} {LAUNCH_ARGS}", port)
-    with pytest.MonkeyPatch.context() as env:  # the server's environment, inherited at start
-        for key, value in {**SERVER_ENV, "EAGLE3_DUMP_DIR": str(dump_dir)}.items():
-            env.setenv(key, value)
-        server = LaunchedServer(command, log, url, ready_timeout_s=600,
-                                stop_timeout_s=10).__enter__()
+    server = LaunchedServer(command, log, url, ready_timeout_s=600, stop_timeout_s=10,
+                            env={**SERVER_ENV, "EAGLE3_DUMP_DIR": str(dump_dir)}).__enter__()
     try:
         yield RealServer(url, target, dump_dir, log, latent)
     finally:
