@@ -63,6 +63,9 @@ STEP_SCOPES = {"gpu_model_runner: forward": "verify_forward", "gpu_model_runner:
                "sampling", "gpu_model_runner: draft": "draft"}  # vLLM 0.32.0's scope names
 ITERATION = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
 RESULT = "bench_serve_vllm.json"
+# The workloads (--lengths): what a request asks for, which decides what a tok/s ratio is for.
+LENGTHS = {"natural": "natural lengths (each stops at its end of turn, at most {n} tokens)",
+           "fixed": "fixed lengths ({n} tokens each, ignore_eos: past the end of turn)"}
 
 log = logging.getLogger("bench_serve_vllm")
 
@@ -170,8 +173,10 @@ def decode_times(requests_path: Path) -> dict:
     return out
 
 
-def level_rows(served: dict, offline: dict | None, steps: int) -> list[dict]:
-    """One row per prompt set and concurrency: speeds, acceptances, outputs, step times."""
+def level_rows(served: dict, offline: dict | None, steps: int, lengths: str = "natural"
+               ) -> list[dict]:
+    """One row per prompt set and concurrency: speeds, acceptances, outputs, step times;
+    `lengths`: the workload of `served` (LENGTHS)."""
     times = decode_times(Path(served["requests"]))
     prompts_of = served_prompts(Path(served["requests"]))
     rows = []
@@ -180,7 +185,7 @@ def level_rows(served: dict, offline: dict | None, steps: int) -> list[dict]:
         off_steps = off["steps"][str(steps)] if off else None
         for c, row in levels.items():
             base, spec = row["baseline"] or {}, row["speculative"]
-            r = {"prompt_set": name, "concurrency": int(c),
+            r = {"prompt_set": name, "lengths": lengths, "concurrency": int(c),
                  "plain_tok_s": base.get("total_tok_s"), "spec_tok_s": spec["total_tok_s"],
                  "ratio": row["speedup"], "per_request_ratio": row["per_request_speedup"],
                  "served_acceptance": spec["acceptance_length"], "served_rounds": spec["drafts"],
@@ -322,11 +327,15 @@ def table(rows: list[dict], prompts: dict, settings: dict) -> str:
             f"{'served acc (rounds, loops)':>26} | {'offline acc (rounds, loops)':>27} | "
             f"{'diff':>7} | {'= plain':>7}")
     out = []
-    for name in dict.fromkeys(r["prompt_set"] for r in rows):
-        out += [f"\n{name}: {prompts[name]} prompts x {settings['max_new_tokens']} new tokens, "
-                f"greedy, chain of {settings['steps']}, {settings['launch_args']}, "
-                f"{settings['threads']} threads", head, "-" * len(head)]
-        for r in (r for r in rows if r["prompt_set"] == name):
+    for name, lengths in dict.fromkeys((r["prompt_set"], r.get("lengths", "natural"))
+                                       for r in rows):
+        block = [r for r in rows if (r["prompt_set"], r.get("lengths", "natural"))
+                 == (name, lengths)]
+        out += [f"\n{name}, {LENGTHS[lengths].format(n=settings['max_new_tokens'])}: "
+                f"{prompts[name]} prompts, greedy, chain of {settings['steps']}, "
+                f"{settings['launch_args']}, {settings['threads']} threads", head,
+                "-" * len(head)]
+        for r in block:
             served = (f"{_f(r['served_acceptance'], '.3f')} ({_f(r['served_rounds'], '.0f')}, "
                       f"{_f(r['served_loop_share'], '.0%')})")
             off = (f"{_f(r.get('offline_acceptance'), '.3f')} ({r['offline_rounds']}, "
@@ -336,7 +345,7 @@ def table(rows: list[dict], prompts: dict, settings: dict) -> str:
                        f"{served:>26} | {off:>27} | {_f(r.get('acceptance_diff'), '+.3f'):>7} | "
                        f"{r['outputs_equal_to_plain']}/{r['outputs_compared']:<5}")
         out += [f"  c={r['concurrency']}: served acceptance left out: {r['acceptance_error']}"
-                for r in rows if r["prompt_set"] == name and r.get("acceptance_error")]
+                for r in block if r.get("acceptance_error")]
     return "\n".join(out)
 
 
@@ -347,16 +356,18 @@ def time_lines(rows: list[dict], split: dict | None, steps: int) -> list[str]:
         "round are estimated from it):" if split is not None else
         "unprofiled only: --profile splits a round into the draft's steps and the verify):")]
     first = rows[0]["prompt_set"] if rows else None
+    several = len({r.get("lengths") for r in rows}) > 1
     for r in (r for r in rows if r["prompt_set"] == first):
         c, plain, rnd = r["concurrency"], r["plain_ms_per_step"], r["spec_ms_per_round"]
         tpr = r["served_tokens_per_round"]
-        line = (f"  c={c}: unprofiled, a plain step {_f(plain, '.1f')} ms, a speculative round "
+        label = f"{r.get('lengths')}, " if several else ""
+        line = (f"  {label}c={c}: unprofiled, a plain step {_f(plain, '.1f')} ms, a speculative round "
                 f"{_f(rnd, '.1f')} ms for {_f(tpr, '.2f')} tokens "
                 f"({_f(rnd / tpr if rnd and tpr else None, '.1f')} ms a token)")
         if plain and rnd:
             line += f"; break-even needs {rnd / plain:.2f} tokens a round"
         out.append(line)
-        prof = (split or {}).get(str(c))
+        prof = (split or {}).get(str(c)) if r.get("lengths", "natural") == "natural" else None
         if prof and prof["decode_steps"]:
             ms = prof["ms_per_step"]
             share = {k: ms[k] / ms["step"] for k in ms if k != "step"}
@@ -394,6 +405,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="05 prompt sets (default: the draft folder's held-out prompts, else chat)")
     ap.add_argument("--num-prompts", type=int, default=16, help="prompts per set (the first N)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request")
+    ap.add_argument("--lengths", nargs="+", choices=sorted(LENGTHS), default=["natural"],
+                    help="workloads measured, one served run each: natural (requests stop at "
+                         "their end of turn) and/or fixed (--max-new-tokens each, ignore_eos; "
+                         "the offline evaluator, which stops at the end of turn, is compared "
+                         "with natural only)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
                     help="requests in flight, per level")
     ap.add_argument("--steps", type=int, default=3, help="draft tokens per verify round")
@@ -430,12 +446,16 @@ def measure(args, draft: DraftFolder, target: Path, sets: list[str]) -> dict:
     common = ["--target", str(target), "--steps", str(args.steps), "--prompt-sets", *sets,
               "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens)]
     load = {"before": os.getloadavg()}
-    served = run_stage05("served", [*common, "--backend", "vllm", "--draft", str(draft.vllm),
-                                    "--vllm-python", args.vllm_python, "--launch-args",
-                                    args.launch_args, "--port", str(args.port),
-                                    "--ready-timeout-s", "900", "--concurrency",
-                                    *map(str, args.concurrency)], args.work)
-    load["after_served"] = os.getloadavg()
+    served = {}
+    for lengths in args.lengths:  # natural first: its folder is served/, as before
+        name = "served" if lengths == "natural" else f"served_{lengths}"
+        served[lengths] = run_stage05(
+            name, [*common, "--backend", "vllm", "--draft", str(draft.vllm), "--vllm-python",
+                   args.vllm_python, "--launch-args", args.launch_args, "--port",
+                   str(args.port), "--ready-timeout-s", "900", "--concurrency",
+                   *map(str, args.concurrency), *(["--ignore-eos"] if lengths == "fixed" else [])],
+            args.work)
+        load[f"after_{name}"] = os.getloadavg()
     offline = (run_stage05("offline", [*common, "--backend", "hf", "--draft", str(draft.offline),
                                        "--context-bucket-tokens", "256"], args.work)
                if args.offline else None)
@@ -458,20 +478,23 @@ def result_json(args, draft: DraftFolder, target: Path, runs: dict, rows: list[d
     off_sets = offline["results"]["prompt_sets"] if offline else None
     return {"draft": {"path": str(draft.path), "vllm": str(draft.vllm),
                       "offline": str(draft.offline), "manifest": draft.manifest},
-            "target": str(target), "prompt_sets": served["results"]["prompts"],
+            "target": str(target),
+            "prompt_sets": next(iter(served.values()))["results"]["prompts"],
             "settings": {k: getattr(args, k) for k in (
                 "steps", "max_new_tokens", "concurrency", "num_prompts", "threads",
-                "launch_args", "profile_tokens")},
+                "launch_args", "profile_tokens", "lengths")},
             "env": {k: os.environ.get(k) for k in (*SERVER_ENV, "OMP_NUM_THREADS")},
             "cpus": os.cpu_count(), "load_average": runs["load_average"], "levels": rows,
             "time_split": runs["time_split"],
-            "lossless_mismatches": served["results"]["lossless_mismatches"],
+            "lossless_mismatches": sum(run["results"]["lossless_mismatches"] or 0
+                                       for run in served.values()),
             "offline": ({name: {k: s["steps"][str(args.steps)][k] for k in (
                 "acceptance_length", "verify_passes", "per_position_acceptance",
                 "lossless_mismatches", "loop_share")} for name, s in off_sets.items()}
                 if off_sets else None),
             "runs": {name: {k: run[k] for k in ("rc", "log", "seconds")}
-                     for name, run in (("served", served), ("offline", offline)) if run}}
+                     for name, run in (*((f"served_{n}", r) for n, r in served.items()),
+                                       ("offline", offline)) if run}}
 
 
 def main(argv=None) -> int:
@@ -487,7 +510,9 @@ def main(argv=None) -> int:
     draft = read_draft_folder(args.draft.resolve(), args.work, target)
     sets = args.prompt_sets or [str(draft.prompts) if draft.prompts else "chat"]
     runs = measure(args, draft, target, sets)
-    rows = level_rows(runs["served"], runs["offline"], args.steps)
+    rows = [row for lengths, served in runs["served"].items()
+            for row in level_rows(served, runs["offline"] if lengths == "natural" else None,
+                                  args.steps, lengths)]
     result = result_json(args, draft, target, runs, rows)
     out = (args.out or args.work).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -498,7 +523,8 @@ def main(argv=None) -> int:
     print(f"\nload average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after, on "
           f"{os.cpu_count()} cores (the figures hold only with nothing else running); raw: "
           f"{out / RESULT}")
-    return 0 if all(r["rc"] == 0 for r in (runs["served"], runs["offline"]) if r) else 1
+    return 0 if all(r["rc"] == 0 for r in (*runs["served"].values(), runs["offline"])
+                    if r) else 1
 
 
 if __name__ == "__main__":

