@@ -275,6 +275,28 @@ def test_launched_server_runs_with_its_env_over_this_process_environment(tmp_pat
     assert seen.read_text() == "from-env " + os.environ["PATH"][:1]
 
 
+def test_ignore_eos_is_for_served_backends_and_rides_in_every_request(tiny_target_dir,
+                                                                     tmp_path):
+    """05 --ignore-eos (fixed lengths): refused offline, where the evaluator stops at the end
+    of turn; for a server it is in the sampling params of every request and its results."""
+    from eagle3.bench.config import BenchmarkConfig
+    from eagle3.bench.measure import measure_roles
+
+    with pytest.raises(ValueError, match="--ignore-eos is for the served backends"):
+        BenchmarkConfig(workdir=Path("w"), target=tiny_target_dir, backend="hf", ignore_eos=True)
+    seen = []
+
+    def role(name, load, sinks, bar):
+        seen.append(load.sampling_params)
+        return {}, {}
+
+    for fixed in (True, False):
+        cfg = BenchmarkConfig(workdir=Path("w"), target=tiny_target_dir, backend="vllm",
+                              steps=[3], launch_args="", ignore_eos=fixed)
+        measure_roles(cfg, [], tmp_path, role)
+    assert [p.get("ignore_eos") for p in seen] == [True, True, None, None]
+
+
 def test_sglang_command_refuses_a_port_in_launch_args():
     with pytest.raises(ValueError, match="--port"):
         sglang_command("python", "--model-path m --port 1", 30000)
