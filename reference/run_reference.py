@@ -261,6 +261,10 @@ PROFILES["h200-chat"] = replace(
 # 192 instead of 256 tokens), 02b ~500 s (37,600 tok/s), 04 ~280 s (2 x 19M at 259,000 tok/s +
 # ~130 s compile and evals), merge 5 s: ~1,300 s to main's draft; the deadline (1,500 s) leaves
 # the size draft and the 05 runs to what remains of the 30 minutes, and cuts them first.
+# Measured 2026-12-06 on one H100 (DEADLINE_S=1600): 01 482 s (47% of the sampled user turns
+# too long), 01b 147 s, 02b 362 s, 04 280 s, the 20,000 draft 64 s; phases 1-3 in 24 min 35 s,
+# 05 and main's phase-3 evaluation cut by the deadline (the drafts are measured on CPU:
+# benchmarks/bench_draft_series.py, BENCHMARKS.md).
 PROFILES["h200-chat-diverse"] = replace(
     PROFILES["h200-chat"],
     self_written=(("count", 60000), ("heldout", 300), ("seed", 0), ("temperature", 1.0),
