@@ -10,6 +10,8 @@ Kimi-style ones in every case, so every stage runs unchanged on each.
   (multiples of 32). An MLA draft (`Eagle3DeepseekV2ForCausalLM`) is the seam for that.
 - `deepseek_v3_vllm`: the DeepSeek-V3 target in the shape vLLM's CPU MLA kernel accepts:
   `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (latent 576, the only size it has; Kimi-K2.5's).
+- `qwen2`: a dense Qwen2 in Qwen2.5-Coder-Instruct's layout: biases on the q/k/v projections
+  (none on o), grouped KV heads (4/2, head_dim 16), an untied head, rope base 1e6.
 
 Both DeepSeek-V3 shapes carry `deepseek_v3_serving_fields`: fields real DeepSeek-V3 and
 Kimi-K2.5 configs carry and transformers does not write by default, which the engines read.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-ARCHS = ("deepseek_v3", "llama", "deepseek_v3_vllm")
+ARCHS = ("deepseek_v3", "llama", "deepseek_v3_vllm", "qwen2")
 
 
 def build_llama(cfg, vocab_size: int):
@@ -45,6 +47,38 @@ def build_llama(cfg, vocab_size: int):
     )
     torch.manual_seed(cfg.seed)
     return LlamaForCausalLM(model_cfg)
+
+
+def build_qwen2(cfg, vocab_size: int):
+    """A randomly initialised Qwen2ForCausalLM, seeded, in Qwen2.5-Coder's layout (q/k/v bias,
+    grouped KV heads, untied head, rope base 1e6); its q/k/v biases are drawn too (they start
+    at zero, which would leave them untested)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    heads = cfg.num_attention_heads
+    model_cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(cfg.seed)
+    model = Qwen2ForCausalLM(model_cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.02)
+    return model
 
 
 def deepseek_v3_vllm_fields() -> dict:

@@ -32,6 +32,7 @@ import torch
 from eagle3.tiny.archs import (
     ARCHS,
     build_llama,
+    build_qwen2,
     deepseek_v3_serving_fields,
     deepseek_v3_vllm_fields,
 )
@@ -131,7 +132,7 @@ class TinyTargetConfig:
     bpe_vocab_size: int = 1024  # BPE vocabulary before the special tokens are added
     max_position_embeddings: int = 4096
     seed: int = 0
-    arch: str = "deepseek_v3"  # or "llama", "deepseek_v3_vllm" (eagle3/tiny/archs.py)
+    arch: str = "deepseek_v3"  # or "llama", "deepseek_v3_vllm", "qwen2" (eagle3/tiny/archs.py)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -168,8 +169,8 @@ def build_model(cfg: TinyTargetConfig, vocab_size: int):
     """A randomly initialised DeepseekV3ForCausalLM with MLA and MoE (or `cfg.arch`), seeded."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    if cfg.arch == "llama":
-        model = build_llama(cfg, vocab_size)
+    if cfg.arch in ("llama", "qwen2"):
+        model = (build_llama if cfg.arch == "llama" else build_qwen2)(cfg, vocab_size)
         with torch.no_grad():
             model.lm_head.weight.mul_(8.0)  # as below
         return model.eval()
