@@ -22,14 +22,16 @@ set -euo pipefail
 out=${1:?usage: $0 OUT.tar.xz}
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
-plat=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps)
-for p in manylinux_2_5 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 \
-         manylinux_2_31 manylinux_2_34 manylinux_2_35; do
-    plat+=(--platform "${p}_x86_64")
-done
-plat+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
-python3 -m pip download -q "${plat[@]}" -d "$work/wheels" \
-    $(awk '{print $2}' "$here/sglang_gpu_bundle.sha256" | sed -E 's/^([^-]+)-([^-]+)-.*/\1==\2/')
+# Each wheel is fetched for exactly the platform tags its pinned file name carries: with a list of
+# platforms, pip 23 takes the first wheel any of them matches (apache-tvm-ffi 0.1.11's
+# manylinux2014 build instead of the pinned manylinux_2_24/_2_28 one).
+while read -r _ wheel; do
+    IFS=- read -r name version _py _abi plat <<< "${wheel%.whl}"
+    tags=()
+    for t in ${plat//./ }; do tags+=(--platform "$t"); done
+    python3 -m pip download -q --python-version 3.12 --implementation cp --only-binary=:all: \
+        --no-deps "${tags[@]}" -d "$work/wheels" "${name}==${version}"
+done < "$here/sglang_gpu_bundle.sha256"
 (cd "$work/wheels" && sha256sum -c --quiet "$here/sglang_gpu_bundle.sha256")
 mkdir -p "$work/site"
 for w in "$work"/wheels/*.whl; do unzip -q -o "$w" -d "$work/site"; done

@@ -60,20 +60,29 @@ class LaunchedServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LaunchedServer:
+        self.start()
+        self.wait()
+        return self
+
+    def start(self) -> None:
+        """Start the process (not yet ready: `wait`); several servers started before any is
+        waited for load side by side."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting %s (log: %s)", shlex.join(self.command), self.log_path)
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True,
                                          env={**os.environ, **self.env})
+        self._t0 = time.time()
+
+    def wait(self) -> None:
+        """Block until the started server answers; LaunchError (server stopped) otherwise."""
         try:
-            t0 = time.time()
             asyncio.run(self._wait_ready())
-            log.info("%s ready after %.0fs", self.url, time.time() - t0)
+            log.info("%s ready after %.0fs", self.url, time.time() - self._t0)
         except BaseException:
             self.stop()
             raise
-        return self
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -1,0 +1,400 @@
+"""The whole pipeline on a real target through the patched SGLang, then its draft served beside
+plain: `benchmarks/bench_sglang_gpu.py --phases pipeline` (on the lent GPU:
+`benchmarks/gpu_sglang.sh`), at the sizes of a profile below.
+
+Steps, in order; each is the production script in a subprocess, its output in
+`<work>/logs/<step>.log`, its record (command, wall time, exit status, the stage manifest's
+outputs) in `<out>/pipeline.json` as soon as it ends:
+
+  data server  the target served by the patched SGLang with the dump on (EAGLE3_DUMP_DIR in
+               memory, `--disable-radix-cache`, no prefill CUDA graph: patches/README.md); it
+               answers 01, 01b and 02b, and stops before 04
+  01           the recipe: the target writes its own prompts (`--gen-backend sglang`), beside
+               the human-written training prompts
+  01b          the replies, greedy, the server's own ids (`--backend sglang`)
+  merge, 02b   the merged splits; their states through the server's dump (`--backend sglang`)
+  03, 04       the draft vocabulary; the draft (the target's preset)
+  serve        plain and each speculative setting of the profile, started together (each with
+               a fixed KV pool, so no server sizes itself from what another left free), then 05
+               `--backend sglang` on the held-out prompts at every concurrency: natural lengths
+               first, then fixed ones (`--ignore-eos`)
+  offline      05 `--backend hf` (the offline evaluator) on the same prompts
+
+A step whose estimate exceeds what is left before the deadline is skipped and recorded so, the
+later ones too (they build on it or come after it in priority). A step that fails stops the
+phase (its log tail is in the record). Re-running the phase resumes: complete stages are
+no-ops, a half-done one resumes.
+
+    python benchmarks/bench_sglang_gpu.py --phases pipeline --out $OUT --sglang-site /tmp/sglsite \\
+        --pipeline-target /tmp/gs/qwen --pipeline-profile h100-qwen-coder --deadline-at EPOCH
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"01": "01_prepare_datasets.py", "01b": "01b_generate_synthetic.py",
+           "merge": "datasets/merge_and_shuffle.py", "02b": "02b_extract_hidden_states_sglang.py",
+           "03": "03_build_vocab_mapping.py", "04": "04_train.py", "05": "05_benchmark.py"}
+# The dump server's flags beyond the common ones (patches/README.md, "Server flags"):
+# every prompt recomputed, no prefill CUDA graph (its replays carry no rids).
+DUMP_SERVER = ["--disable-radix-cache", "--cuda-graph-backend-prefill", "disabled"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One speculative server: its label and SGLang flags (EAGLE3 and the draft are added)."""
+
+    name: str
+    flags: tuple[str, ...]
+
+
+def chain(steps: int) -> Setting:
+    """A chain of `steps` draft tokens: topk 1, `steps + 1` tokens verified a round."""
+    return Setting(f"chain{steps}", ("--speculative-num-steps", str(steps),
+                                     "--speculative-eagle-topk", "1",
+                                     "--speculative-num-draft-tokens", str(steps + 1)))
+
+
+@dataclass(frozen=True)
+class PipelineProfile:
+    """Every size of one run (flags are passed to the scripts as written)."""
+
+    device: str  # torch device of 04 and the offline 05
+    recipe: str  # under datasets/
+    count_scale: float  # the recipe's counts (and held-out shares) times this
+    preset: str  # 04 --preset (the target's named draft)
+    server: tuple[str, ...]  # data server flags beside the common ones and DUMP_SERVER
+    prepare: tuple[str, ...]  # 01, beside --gen-backend sglang --server-url
+    generate: tuple[str, ...]  # 01b, beside --backend sglang --server-url
+    merge: tuple[str, ...]
+    extract: tuple[str, ...]  # 02b, beside --backend sglang --server-url --dump-dir
+    draft_vocab: int  # 03
+    train: tuple[str, ...]  # 04
+    serve_server: tuple[str, ...]  # flags of every 05 server (plain and speculative)
+    settings: tuple[Setting, ...]  # the speculative servers, most wanted first
+    prompt_sets: tuple[str, ...]  # 05 --prompt-sets (held-out; "heldout:<dataset>" = 01's own)
+    num_prompts: int
+    max_new_tokens: int
+    concurrency: tuple[int, ...]
+    offline: tuple[str, ...]  # 05 --backend hf flags beside the prompts
+    dump_dir: str = "/dev/shm/eagle3-dump"
+    # estimates (s) of each step on this profile's machine, for the deadline
+    estimates: dict = field(default_factory=dict)
+
+
+PROFILES = {
+    # Qwen2.5-Coder-1.5B-Instruct on one H100 (hidden 1536, 28 layers, vocab 151,936):
+    # ~11,000 conversations, code-heavy (datasets/qwen_coder_self_written.json), replies up to
+    # 512 tokens; states in fp8 (7.7 KB a token against bf16's 12.3); the draft 3 epochs.
+    "h100-qwen-coder": PipelineProfile(
+        device="cuda", recipe="qwen_coder_self_written.json", count_scale=1.0,
+        preset="qwen2.5-coder-1.5b",
+        server=("--mem-fraction-static", "0.85", "--context-length", "8192",
+                "--chunked-prefill-size", "16384", "--max-running-requests", "1024",
+                "--cuda-graph-max-bs", "256"),
+        prepare=("--gen-batch-size", "1024", "--num-workers", "8"),
+        generate=("--max-new-tokens", "512", "--concurrency", "1024",
+                  "--long-concurrency", "128"),
+        merge=("--eval-fraction", "0.02", "--max-seq-len", "4096"),
+        extract=("--dtype", "fp8", "--concurrency", "96", "--workers", "8"),
+        draft_vocab=32000,
+        train=("--epochs", "3", "--lr", "1e-3", "--max-seq-len", "4096", "--pack-tokens",
+               "16384", "--num-workers", "12", "--max-eval-samples", "128", "--log-every", "20",
+               "--device", "cuda"),
+        serve_server=("--mem-fraction-static", "0.9", "--max-total-tokens", "98304",
+                      "--context-length", "4096", "--cuda-graph-max-bs", "64",
+                      "--max-running-requests", "64", "--cuda-graph-backend-prefill",
+                      "disabled"),
+        settings=(chain(7), chain(3), chain(5),
+                  Setting("tree6x4", ("--speculative-num-steps", "6",
+                                      "--speculative-eagle-topk", "4",
+                                      "--speculative-num-draft-tokens", "16"))),
+        prompt_sets=("prompts/human_code.jsonl", "prompts/human_chat.jsonl",
+                     "heldout:qwen_code"),
+        num_prompts=40, max_new_tokens=256, concurrency=(1, 4, 16, 64),
+        offline=("--steps", "3", "7", "--device", "cuda", "--dtype", "bfloat16",
+                 "--num-prompts", "16", "--max-new-tokens", "128"),
+        estimates={"server": 120, "01": 150, "01b": 200, "merge": 15, "02b": 180, "03": 20,
+                   "04": 420, "serve_start": 180, "serve_natural": 300, "serve_fixed": 300,
+                   "offline": 300}),
+    # The same route on CPU at toy sizes: the tiny qwen2 target served by the SGLang CPU build
+    # (which cannot serve EAGLE, so no speculative settings: plain only, and the offline 05).
+    "cpu-qwen2-smoke": PipelineProfile(
+        device="cpu", recipe="qwen_coder_self_written.json", count_scale=0.002,
+        preset="",
+        server=("--device", "cpu", "--attention-backend", "torch_native", "--dtype",
+                "float32", "--max-total-tokens", "8192", "--chunked-prefill-size", "256"),
+        prepare=("--gen-batch-size", "8", "--num-workers", "1"),
+        generate=("--max-new-tokens", "16", "--concurrency", "8"),
+        merge=("--eval-fraction", "0.2", "--max-seq-len", "1024"),
+        extract=("--dtype", "fp8", "--concurrency", "4", "--workers", "1"),
+        draft_vocab=256,
+        train=("--epochs", "1", "--lr", "1e-3", "--max-seq-len", "512", "--pack-tokens", "512",
+               "--num-workers", "0", "--max-eval-samples", "2", "--log-every", "5",
+               "--ttt-steps", "3", "--device", "cpu"),
+        serve_server=(), settings=(), prompt_sets=("prompts/human_code.jsonl",),
+        num_prompts=2, max_new_tokens=8, concurrency=(1,),
+        offline=("--steps", "3", "--device", "cpu", "--dtype", "float32",
+                 "--num-prompts", "2", "--max-new-tokens", "8")),
+}
+
+
+def scaled_recipe(profile: PipelineProfile, out: Path) -> Path:
+    """The profile's recipe with its self-written counts (and held-out prompts) scaled, paths
+    made absolute: `out` (the shipped file itself when the scale is 1)."""
+    src = ROOT / "datasets" / profile.recipe
+    if profile.count_scale == 1.0:
+        return src
+    recipe = json.loads(src.read_text())
+    for entry in recipe["datasets"]:
+        if entry.get("path"):
+            entry["path"] = str((src.parent / entry["path"]).resolve())
+        if "self_written" in entry:
+            entry["count"] = max(4, round(entry["count"] * profile.count_scale))
+            block = entry["self_written"]
+            block["heldout"] = max(2, round(block["heldout"] * profile.count_scale))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(recipe, indent=1) + "\n")
+    return out
+
+
+def resolve_prompt_sets(profile: PipelineProfile, workdir: Path) -> list[str]:
+    """05's prompt sets: repository paths made absolute, `heldout:<dataset>` the held-out
+    prompts 01 kept apart for that self-written dataset."""
+    sets = []
+    for name in profile.prompt_sets:
+        if name.startswith("heldout:"):
+            sets.append(str(workdir / "01_prepared" / name.split(":", 1)[1] / "heldout.jsonl"))
+        else:
+            sets.append(str(ROOT / name))
+    return sets
+
+
+def stage_command(stage: str, workdir: Path, target: Path, *flags: str) -> list[str]:
+    return [sys.executable, str(ROOT / SCRIPTS[stage]), "--workdir", str(workdir), "--target",
+            str(target), *flags]
+
+
+def data_commands(profile: PipelineProfile, workdir: Path, target: Path, url: str,
+                  recipe: Path) -> list[tuple[str, list[str]]]:
+    """(step, argv) of 01, 01b, merge and 02b against the data server at `url`."""
+    return [
+        ("01", stage_command("01", workdir, target, "--recipe", str(recipe), "--gen-backend",
+                             "sglang", "--server-url", url, *profile.prepare)),
+        ("01b", stage_command("01b", workdir, target, "--backend", "sglang", "--server-url", url,
+                              *profile.generate)),
+        ("merge", [sys.executable, str(ROOT / SCRIPTS["merge"]), "--workdir", str(workdir),
+                   *profile.merge]),
+        ("02b", stage_command("02b", workdir, target, "--backend", "sglang", "--server-url", url,
+                              "--dump-dir", profile.dump_dir, *profile.extract)),
+    ]
+
+
+def train_commands(profile: PipelineProfile, workdir: Path,
+                   target: Path) -> list[tuple[str, list[str]]]:
+    preset = ("--preset", profile.preset) if profile.preset else ()
+    return [("03", stage_command("03", workdir, target, "--draft-vocab",
+                                 str(profile.draft_vocab))),
+            ("04", stage_command("04", workdir, target, *preset, *profile.train))]
+
+
+def bench_command(profile: PipelineProfile, workdir: Path, target: Path, out_dir: Path,
+                  baseline_url: str, spec_urls: list[str], fixed: bool) -> list[str]:
+    """05 --backend sglang: the baseline and every speculative server, every prompt set and
+    concurrency; `fixed`: every answer exactly --max-new-tokens long."""
+    return [sys.executable, str(ROOT / SCRIPTS["05"]), "--workdir", str(out_dir), "--target",
+            str(target), "--draft", str(workdir / "04_train" / "final"), "--backend", "sglang",
+            "--baseline-url", baseline_url, "--spec-url", *spec_urls,
+            "--prompt-sets", *resolve_prompt_sets(profile, workdir),
+            "--num-prompts", str(profile.num_prompts), "--max-new-tokens",
+            str(profile.max_new_tokens), "--temperature", "0",
+            "--concurrency", *[str(c) for c in profile.concurrency],
+            *(["--ignore-eos"] if fixed else [])]
+
+
+def offline_command(profile: PipelineProfile, workdir: Path, target: Path,
+                    out_dir: Path) -> list[str]:
+    return [sys.executable, str(ROOT / SCRIPTS["05"]), "--workdir", str(out_dir), "--target",
+            str(target), "--draft", str(workdir / "04_train" / "final"), "--backend", "hf",
+            "--prompt-sets", *resolve_prompt_sets(profile, workdir), "--temperature", "0",
+            *profile.offline]
+
+
+class StepLog:
+    """The run's record, `<out>/pipeline.json`, rewritten after every step."""
+
+    def __init__(self, out: Path, deadline: float, meta: dict):
+        self.path, self.deadline = Path(out) / "pipeline.json", deadline
+        self.data = {"deadline_at": deadline, **meta, "steps": {}, "skipped": {}}
+        if self.path.exists():  # a re-run keeps what earlier steps recorded
+            old = json.loads(self.path.read_text())
+            self.data["steps"] = old.get("steps", {})
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)
+
+    def fits(self, step: str, estimate_s: float) -> bool:
+        """Whether `step` may start: its estimate fits before the deadline (else recorded)."""
+        left = self.deadline - time.time()
+        if estimate_s <= left:
+            return True
+        self.data["skipped"][step] = f"needs ~{estimate_s:.0f} s, {left:.0f} s left"
+        self.save()
+        return False
+
+    def record(self, step: str, **fields) -> None:
+        self.data["steps"][step] = {**self.data["steps"].get(step, {}), **fields}
+        self.save()
+
+
+def run_step(log: StepLog, step: str, argv: list[str], log_dir: Path,
+             manifest: Path | None = None) -> None:
+    """Run one script, record it; RuntimeError (with its log's tail) when it fails."""
+    log_path = Path(log_dir) / f"{step}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log_path, "ab") as out:
+        rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    tail = log_path.read_text(errors="replace").splitlines()[-25:]
+    fields = {"command": " ".join(argv), "rc": rc, "wall_s": round(time.time() - t0, 1)}
+    if manifest is not None and manifest.exists():
+        m = json.loads(manifest.read_text())
+        fields["outputs"] = m.get("outputs")
+        fields["stage_seconds"] = m.get("seconds") or m.get("wall_s")
+    if rc != 0:
+        fields["log_tail"] = tail
+    log.record(step, **fields)
+    if rc != 0:
+        raise RuntimeError(f"step {step} exited {rc}:\n" + "\n".join(tail))
+
+
+def _manifest(workdir: Path, stage: str) -> Path:
+    from eagle3.core.stage import STAGE_DIRS
+
+    return Path(workdir) / STAGE_DIRS[stage] / "manifest.json"
+
+
+def run_pipeline(profile: PipelineProfile, target: Path, work: Path, out: Path,
+                 deadline: float, launch) -> dict:
+    """Every step of the module docstring; returns the record (also in <out>/pipeline.json).
+
+    `launch(name, port, flags, dump_dir=None)` returns an unstarted LaunchedServer of the target
+    (eagle3/core/launcher.py) with `flags` beside the caller's common ones."""
+    from contextlib import ExitStack
+
+    workdir, logs = Path(work) / "run", Path(work) / "logs"
+    log = StepLog(out, deadline, {"target": str(target), "profile": profile})
+    log.data["profile"] = {k: (list(v) if isinstance(v, tuple) else v)
+                           for k, v in profile.__dict__.items() if k != "settings"}
+    log.data["settings"] = {s.name: list(s.flags) for s in profile.settings}
+    recipe = scaled_recipe(profile, Path(work) / "recipe.json")
+    est = profile.estimates
+
+    def stage_steps(commands) -> bool:
+        for step, argv in commands:
+            if not log.fits(step, est.get(step, 0)):
+                return False
+            run_step(log, step, argv, logs, _manifest(workdir, step))
+        return True
+
+    with ExitStack() as stack:
+        data = launch("data", 30050, [*DUMP_SERVER, *profile.server], profile.dump_dir)
+        if not log.fits("server", est.get("server", 0)):
+            return log.data
+        t0 = time.time()
+        stack.enter_context(data)
+        log.record("server", wall_s=round(time.time() - t0, 1), url=data.url)
+        if not stage_steps(data_commands(profile, workdir, target, data.url, recipe)):
+            return log.data
+    if not stage_steps(train_commands(profile, workdir, target)):
+        return log.data
+    serve(profile, workdir, target, Path(work), log, launch)
+    if log.fits("offline", est.get("offline", 0)):
+        run_step(log, "offline", offline_command(profile, workdir, target,
+                                                 Path(work) / "offline"), logs)
+    return log.data
+
+
+def serve(profile: PipelineProfile, workdir: Path, target: Path, work: Path, log: StepLog,
+          launch) -> None:
+    """Plain and every speculative setting, started together, then 05 natural and fixed."""
+    from contextlib import ExitStack
+
+    est = profile.estimates
+    if not log.fits("serve_start", est.get("serve_start", 0)):
+        return
+    draft = workdir / "04_train" / "final"
+    servers = [launch("plain", 30060, list(profile.serve_server))]
+    for i, s in enumerate(profile.settings):
+        servers.append(launch(s.name, 30061 + i, [
+            *profile.serve_server, "--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", str(draft), *s.flags]))
+    with ExitStack() as stack:
+        t0 = time.time()
+        for s in servers:  # started together: each has a fixed KV pool (--max-total-tokens)
+            s.start()
+            stack.callback(s.stop)
+        for s in servers:
+            s.wait()
+        log.record("serve_start", wall_s=round(time.time() - t0, 1),
+                   servers={name: s.url for name, s in
+                            zip(["plain", *[x.name for x in profile.settings]], servers)})
+        plain, specs = servers[0].url, [s.url for s in servers[1:]]
+        for step, fixed in (("serve_natural", False), ("serve_fixed", True)):
+            if not specs or not log.fits(step, est.get(step, 0)):
+                continue
+            bench_dir = work / step
+            run_step(log, step, bench_command(profile, workdir, target, bench_dir, plain, specs,
+                                              fixed), work / "logs",
+                     _manifest(bench_dir, "05"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The route on CPU against the SGLang CPU build (`--profile cpu-qwen2-smoke`): the data
+    server, 01, 01b, merge, 02b, 03, 04 and the offline 05, as on the GPU."""
+    import argparse
+    import logging
+
+    from eagle3.core.launcher import LaunchedServer, sglang_command
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--profile", default="cpu-qwen2-smoke", choices=sorted(PROFILES))
+    p.add_argument("--target", type=Path, required=True, help="the target model folder")
+    p.add_argument("--work", type=Path, required=True, help="work folder (resumable)")
+    p.add_argument("--out", type=Path, help="where pipeline.json goes (default: --work)")
+    p.add_argument("--sglang-python", required=True, help="python of the SGLang CPU venv")
+    p.add_argument("--server-pythonpath", default=str(ROOT / "tests" / "sglang_support"),
+                   help="PYTHONPATH of the server (the CPU build's import-only stand-ins)")
+    p.add_argument("--deadline-s", type=float, default=3600.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    out = args.out or args.work
+    out.mkdir(parents=True, exist_ok=True)
+
+    def launch(name, port, flags, dump_dir=None):
+        env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": args.server_pythonpath}
+        if dump_dir is not None:
+            env["EAGLE3_DUMP_DIR"] = str(dump_dir)
+        cmd = sglang_command(args.sglang_python, f"--model-path {args.target} "
+                             "--host 127.0.0.1 --skip-server-warmup", port, list(flags))
+        return LaunchedServer(cmd, args.work / "logs" / f"server_{name}.log",
+                              f"http://127.0.0.1:{port}", ready_timeout_s=600, env=env)
+
+    record = run_pipeline(PROFILES[args.profile], args.target.resolve(), args.work.resolve(),
+                          out, time.time() + args.deadline_s, launch)
+    print(json.dumps({k: v.get("wall_s") for k, v in record["steps"].items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
