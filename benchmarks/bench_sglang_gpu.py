@@ -334,7 +334,21 @@ def phase_kimi(args) -> None:
             (args.out / f).write_text(p.read_text(errors="replace")[-20000:])
 
 
-PHASES = {"dump": phase_dump, "serve": phase_serve, "kimi": phase_kimi}
+def phase_pipeline(args) -> None:
+    """The whole pipeline on a real target through the patched SGLang, then its draft served
+    (benchmarks/gpu_pipeline.py: its steps, profiles and record, <out>/pipeline.json)."""
+    import gpu_pipeline
+
+    def launch(name: str, port: int, flags: list[str], dump_dir=None) -> LaunchedServer:
+        return server(args, args.pipeline_target, port, flags, f"pipeline_{name}.log", dump_dir)
+
+    gpu_pipeline.run_pipeline(gpu_pipeline.PROFILES[args.pipeline_profile],
+                              args.pipeline_target, args.work / "pipeline", args.out,
+                              args.deadline_at or time.time() + 3600, launch)
+
+
+PHASES = {"dump": phase_dump, "serve": phase_serve, "kimi": phase_kimi,
+          "pipeline": phase_pipeline}
 
 
 def main() -> int:
@@ -344,6 +358,11 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/gs/work"))
     p.add_argument("--sglang-site", required=True, help="folder holding sglang 0.5.17 et al.")
     p.add_argument("--smollm2", type=Path, help="SmolLM2 converted folder (serve)")
+    p.add_argument("--pipeline-target", type=Path, help="pipeline: the target folder")
+    p.add_argument("--pipeline-profile", default="h100-qwen-coder",
+                   help="pipeline: a profile of benchmarks/gpu_pipeline.py")
+    p.add_argument("--deadline-at", type=float, default=0.0,
+                   help="pipeline: epoch seconds past which no step starts (0: an hour)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])

