@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.bench.settings import check_distinct_spec_args, check_distinct_urls
+from eagle3.bench.settings import check_distinct_urls, check_spec_args
 from eagle3.core.cli import UpstreamStageFlags, arg
 from eagle3.core.preflight import Problem
 from eagle3.core.target import TRUST_HELP, check_remote_code
@@ -127,7 +127,7 @@ class BenchmarkConfig(UpstreamStageFlags):
         if attach and self.spec_args != [SPEC_DEFAULT] and not self.check_only:
             raise ValueError("--spec-args is for the servers 05 launches (--launch-args); an "
                              "attached server's settings are read from its /server_info")
-        check_distinct_spec_args(self.spec_args)
+        check_spec_args(self.spec_args)
 
 
 @dataclass

@@ -89,8 +89,9 @@ def _header(results: dict, title: str) -> list[str]:
 def _sglang_markdown(results: dict) -> str:
     lines = _header(results, "05 benchmark (SGLang)")
     for role, info in results.get("servers", {}).items():
+        setting = f"{info['label']}: " if info.get("label") else ""
         lines.append(f"- {role} server: {info.get('url')} (SGLang {info.get('version')}, "
-                     f"{info.get('speculative') or 'no draft'})")
+                     f"{setting}{info.get('speculative') or 'no draft'})")
         if info.get("layers"):
             lines.append(f"- served draft reads: {info['layers']}")
     lines += [f"- sampling: {results.get('sampling_params')}, streaming: "
@@ -115,16 +116,17 @@ def _sglang_markdown(results: dict) -> str:
                     f" | {_of(s, 'mismatch_prompts', 'mismatch_compared')} | "
                     f"{_of(b, 'plain_noise_prompts', 'plain_noise_compared')} |")
         lines += _fault_notes(levels, results) + [""]
-    lines += [MEASURED, NOISE, ""]
+    lines += [MEASURED, "", NOISE, ""]
     return "\n".join(lines)
 
 
 def level_settings(results: dict, row: dict) -> list[tuple[str, str, dict, dict]]:
-    """(role, label, summary, ratios) of each speculative setting measured at one level (a
-    results.json of one setting, or written before settings were labelled: the first)."""
-    first = (results.get("servers") or {}).get("speculative") or {}
-    settings = results.get("settings") or [{"role": "speculative",
-                                            "label": first.get("label") or "speculative"}]
+    """(role, label, summary, ratios) of each speculative setting measured at one level (the
+    run's `settings`; a partial run's servers; else the one speculative server)."""
+    servers = {role: info for role, info in (results.get("servers") or {}).items()
+               if role != "baseline"} or {"speculative": {}}
+    settings = results.get("settings") or [{"role": role, "label": info.get("label") or role}
+                                           for role, info in servers.items()]
     ratios = row.get("settings") or {"speculative": row}
     return [(s["role"], s["label"], row[s["role"]], ratios.get(s["role"]) or {})
             for s in settings if row.get(s["role"])]

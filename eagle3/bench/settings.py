@@ -92,9 +92,21 @@ def requested_setting(spec_args: str) -> tuple:
     return tuple(found.values())
 
 
-def check_distinct_spec_args(spec_args: list[str]) -> None:
-    """ValueError naming two `--spec-args` strings that would start the same setting (the
-    same flags, or the same three settings given in full)."""
+# Flags 05 sets itself on every speculative server it launches: EAGLE3 (EAGLE with an EAGLE-3
+# draft starts, then accepts about 1 token a round: docs/PIPELINE.md) and the draft it checked.
+OWN_FLAGS = ("--speculative-algorithm", "--speculative-draft-model-path")
+
+
+def check_spec_args(spec_args: list[str]) -> None:
+    """ValueError naming a `--spec-args` string that sets one of 05's own flags, or two that
+    would start the same setting (the same flags, or the same three settings given in full)."""
+    for i, args in enumerate(spec_args):
+        own = [t.partition("=")[0] for t in shlex.split(args) if t.partition("=")[0] in OWN_FLAGS]
+        if own:
+            raise ValueError(f"--spec-args #{i + 1} ({args!r}) sets {own[0]}: 05 starts every "
+                             "speculative server with --speculative-algorithm EAGLE3 and "
+                             "--speculative-draft-model-path <--draft> itself (EAGLE with an "
+                             "EAGLE-3 draft serves with acceptance about 1). Leave it out")
     seen: dict[tuple, int] = {}
     for i, args in enumerate(spec_args):
         keys = [tuple(shlex.split(args))]
@@ -115,7 +127,7 @@ def check_distinct_urls(spec_url: list[str]) -> None:
     norm = [u.rstrip("/") for u in spec_url]
     for i, url in enumerate(norm):
         if url in norm[:i]:
-            raise ValueError(f"--spec-url lists {spec_url[i]} twice (#{norm.index(url) + 1} and "
+            raise ValueError(f"--spec-url lists {url} twice (#{norm.index(url) + 1} and "
                              f"#{i + 1}): give each speculative server once")
 
 

@@ -1,6 +1,9 @@
-"""Stage 05 with the `sglang` backend: a baseline server (no draft) and a speculative server
-(EAGLE3 + this draft), attached by URL or launched here from `--launch-args`, measured at each
-`--concurrency` on each prompt set (eagle3/bench/measure.py says how each figure is measured).
+"""Stage 05 with the `sglang` backend: a baseline server (no draft) and one or more speculative
+servers (EAGLE3 + this draft, one setting each: eagle3/bench/settings.py), attached by URL or
+launched here from `--launch-args`, one after the other, measured at each `--concurrency` on each
+prompt set (eagle3/bench/measure.py says how each figure is measured, eagle3/bench/compare.py
+how the servers are compared); then the verdict, which setting to serve at each level
+(eagle3/bench/verdict.py).
 
 Requests go to `/generate` with the prompt as token ids, streamed for TTFT; the acceptance
 length is `sum(completion_tokens) / sum(spec_verify_ct)` over our own requests. Before measuring,
@@ -76,11 +79,15 @@ def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
         return 1
     if "baseline" in infos:
         problems += check_baseline_server(infos["baseline"])
-    draft_config = read_draft_config(draft_dir)
+    draft_config, seen = read_draft_config(draft_dir), SeenSettings()
     for s in specs:
         found = check_speculative_server(infos[s.role], draft_config, draft_dir)
         problems += [Problem(p.level, f"{s.source}: {p.message}") if len(specs) > 1 else p
                      for p in found]
+        try:
+            seen.add(infos[s.role], f"{s.url} ({s.source})")
+        except PreflightError as e:
+            problems.append(Problem("error", str(e)))
     for p in problems:
         print(p)
     errors = sum(p.level == "error" for p in problems)

@@ -102,9 +102,9 @@ def verdict_markdown(results: dict) -> list[str]:
             lines.append(f"| {name} | {c} | {v['label'] or '-'} | "
                          f"{'-' if v['speedup'] is None else format(v['speedup'], '.2f') + 'x'}"
                          f" | {speedups} | {serve} |")
-    lines.append("")
-    lines += [f"- {v['text']}" for levels in results["verdict"].values() for v in levels.values()
-              if v["serve"] is None or v.get("outputs_beyond_noise")]
+    notes = [f"- {v['text']}" for levels in results["verdict"].values()
+             for v in levels.values() if v["serve"] is None or v.get("outputs_beyond_noise")]
+    lines += [""] + notes if notes else []
     by_role = {s["role"]: s for s in results.get("settings") or []}
     for role, where in _winners(results).items():
         lines += ["", f"{by_role[role]['label']} (fastest at {', '.join(where)}): start SGLang "
