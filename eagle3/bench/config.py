@@ -47,8 +47,9 @@ class BenchmarkConfig(UpstreamStageFlags):
                                            "URL each, measured one after the other against the "
                                            "one baseline; each labelled from its /server_info "
                                            "(chain 3, tree 4x2/8)")
-    launch_args: str | None = arg(None, "sglang, vllm: launch both servers here, one after the "
-                                        "other, with these flags (sglang: --model-path, "
+    launch_args: str | None = arg(None, "sglang, vllm: launch the servers here (the baseline, "
+                                        "then each speculative one), one after the other, "
+                                        "with these flags (sglang: --model-path, "
                                         "--tp-size ...; vllm: --tensor-parallel-size ..., the "
                                         "model is --target)")
     spec_args: list[str] = arg([SPEC_DEFAULT], "sglang: flags of each launched speculative "
