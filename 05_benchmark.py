@@ -3,10 +3,14 @@
 
 `--backend hf`: chain speculative decoding of the draft against a transformers target (greedy at
 temperature 0, checked token for token against plain greedy decoding; speculative sampling
-above 0), for each `--steps`. `--backend sglang`: a baseline server (no draft) and a speculative
-server (EAGLE3 + this draft), attached by URL or launched here from `--launch-args`, measured at
-each `--concurrency` on each prompt set: tokens/s in total and per request, TTFT, acceptance
-length (sum completion_tokens / sum spec_verify_ct) and speedup. `--backend vllm`: the same
+above 0), for each `--steps`. `--backend sglang`: a baseline server (no draft) and one or more
+speculative servers (EAGLE3 + this draft, one setting each: several `--spec-url`s, or several
+`--spec-args` strings launched one after the other), attached by URL or launched here from
+`--launch-args`, measured at each `--concurrency` on each prompt set: tokens/s in total and per
+request, TTFT, acceptance length (sum completion_tokens / sum spec_verify_ct), speedup, outputs
+against plain beside plain against itself across concurrencies, and the verdict: the fastest
+setting at each level and the SGLang flags to serve it, or plain (eagle3/bench/verdict.py).
+`--backend vllm`: the same
 against a plain and an EAGLE-3 vLLM server (`--speculative-config`, `--steps K` draft tokens;
 default draft: the folder 04 wrote for vLLM, `<workdir>/04_train/final_speculators`, or
 `final/` for an MLA draft, as 04's manifest says), acceptance from vLLM's `/metrics`
@@ -34,6 +38,10 @@ results.json and exits 143.
 Tiny target (demo):
     python 05_benchmark.py --workdir runs/demo --target runs/demo/target --backend hf \
         --steps 3 7 --max-new-tokens 32 --num-prompts 8 --prompt-sets eval
+Three speculative settings against one baseline, attached (each labelled from its /server_info):
+    python 05_benchmark.py --workdir runs/demo --target runs/demo/target --backend sglang \
+        --baseline-url http://127.0.0.1:30000 --spec-url http://127.0.0.1:30001 \
+        http://127.0.0.1:30002 http://127.0.0.1:30003 --prompt-sets chat code
 Real run against SGLang servers: see train_plan_v4.md.
 """
 

@@ -9,7 +9,18 @@ deltas with `incremental=True`) and `data: [DONE]`, like SGLang's `/generate`.
 
 In a test: `with FakeBenchServer(info, tokens_per_verify=3) as url: ...` (a background thread).
 As `sglang.launch_server` (the launcher test puts a shim on PYTHONPATH): `main(argv)` reads
-`--port` and the `--speculative-*` flags and serves until killed.
+`--port` and the `--speculative-*` flags and serves until killed; the stand-in's own
+`--fake-tokens-per-round` (default 3 on an EAGLE3 server) and `--fake-step-s` (default 0.02)
+set its acceptance and round cost, and stay out of its `/server_info`.
+
+Several speculative settings (05 compares them, eagle3/bench/verdict.py): one server each, with
+its own `speculative_*` info, `tokens_per_verify` (acceptance) and `step_s` (round cost);
+`step_s_at={concurrency: seconds}` makes a round dearer at a level (on a GPU a speculative
+round's cost grows with the batch, so plain can win at a high concurrency). The level a request
+was sent at is read from 05's rid (`bench-<role>-<set>-c<C>-<i>-<hex>`, `level_of`): a stand-in
+cannot see the client's concurrency otherwise. `batch_noise(prompt ids, concurrency) -> bool`
+flips the last token of the answers it picks, as bf16's batch-dependent rounding flips near-ties
+between batch sizes on a real server.
 
 Faults on cue (the stage-05 fault tests): `faults={first prompt id: kind}` makes every request
 whose prompt starts with that id misbehave (a list of kinds: its next requests in turn, then it
@@ -38,8 +49,10 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import threading
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -53,6 +66,13 @@ def verify_count(n: int, tokens_per_verify: int | None) -> int | None:
     return math.ceil((n - 1) / tokens_per_verify) if tokens_per_verify else None
 
 
+def level_of(rid: str) -> int | None:
+    """The concurrency a 05 request was sent at, from its rid; None for the warm-up (or a rid
+    of another client)."""
+    m = re.search(r"-c(\d+)-\d+-[0-9a-f]{8}(?:-retry\d+)?$", rid or "")
+    return int(m.group(1)) if m else None
+
+
 FAULTS = ("http500", "hang", "drop", "eof", "count", "short")
 LIES = ("overlong", "prompt_count", "verify_excess", "verify_few", "verify_negative",
         "foreign_rid", "out_of_vocab")
@@ -64,7 +84,9 @@ class FakeBenchServer:
                  faults: dict[int, str | list[str]] | None = None,
                  once: list[str] | None = None,
                  metrics_fault: str | None = None, lossy: bool = False,
-                 html_paths: tuple[str, ...] = (), sse_dialect: str | None = None):
+                 html_paths: tuple[str, ...] = (), sse_dialect: str | None = None,
+                 step_s_at: dict[int, float] | None = None,
+                 batch_noise: Callable[[list[int], int], bool] | None = None):
         self.info = {"version": "0.5.23", "speculative_algorithm": None, **info,
                      "incremental_streaming_output": incremental}
         self.k, self.ttft_s, self.step_s = tokens_per_verify, ttft_s, step_s
@@ -76,6 +98,7 @@ class FakeBenchServer:
         assert set(cued) | set(self.once) <= set(FAULTS + LIES + ("nulls",))
         self.metrics_fault = metrics_fault
         self.lossy, self.html_paths, self.sse_dialect = lossy, html_paths, sse_dialect
+        self.step_s_at, self.batch_noise = dict(step_s_at or {}), batch_noise
         self.counters = {"drafts": 0, "accepted": 0}  # vLLM's spec-decode counters
         self._loop = self._runner = self._thread = None
 
@@ -137,7 +160,8 @@ class FakeBenchServer:
                         e2e_latency=None)
         return meta
 
-    def _answer(self, prompt: list[int], max_new: int, fault: str | None):
+    def _answer(self, prompt: list[int], max_new: int, fault: str | None,
+                level: int | None = None):
         """(output ids, commit points): the prefill token, then 1 or k tokens per step."""
         ids = fake_output_ids(prompt, max_new + (3 if fault == "overlong" else 0))
         if fault == "overlong":
@@ -146,7 +170,9 @@ class FakeBenchServer:
             ids = ids[:max(1, len(ids) // 2)]
         if fault == "out_of_vocab":
             ids[0] = 10 ** 7
-        if self.lossy:
+        noisy = self.batch_noise is not None and level is not None and \
+            self.batch_noise(prompt, level)
+        if self.lossy or noisy:
             ids[-1] = (ids[-1] + 1) % 500
         cuts = [1] + list(range(1 + (self.k or 1), len(ids), self.k or 1)) + [len(ids)]
         return ids, sorted(set(c for c in cuts if c <= len(ids)))
@@ -163,12 +189,13 @@ class FakeBenchServer:
         payload = await request.json()
         self.requests.append(payload)
         prompt, max_new = payload["input_ids"], payload["sampling_params"]["max_new_tokens"]
-        fault = self._fault(prompt)
+        fault, level = self._fault(prompt), level_of(payload.get("rid", ""))
         if (bad := await self._misbehave(request, fault)) is not None:
             return bad
-        ids, cuts = self._answer(prompt, max_new, fault)
+        ids, cuts = self._answer(prompt, max_new, fault, level)
+        step_s = self.step_s_at.get(level, self.step_s)
         if not payload.get("stream"):
-            await asyncio.sleep(self.ttft_s + self.step_s * (len(cuts) - 1))
+            await asyncio.sleep(self.ttft_s + step_s * (len(cuts) - 1))
             return web.json_response({"text": "", "output_ids": ids,
                                       "meta_info": self._meta(prompt, ids, True, max_new, fault)})
 
@@ -177,17 +204,19 @@ class FakeBenchServer:
             return {"text": "", "output_ids": chunk_ids,
                     "meta_info": self._meta(prompt, ids[:cut], cut == len(ids), max_new, fault)}
 
-        return await self._stream(request, cuts, chunk, fault, b"data: [DONE]\n\n")
+        return await self._stream(request, cuts, chunk, fault, b"data: [DONE]\n\n", step_s)
 
-    async def _stream(self, request, cuts: list[int], chunk, fault: str | None, tail: bytes):
-        """SSE chunks at the scripted times; "drop" / "eof" stop half-way."""
+    async def _stream(self, request, cuts: list[int], chunk, fault: str | None, tail: bytes,
+                      step_s: float | None = None):
+        """SSE chunks at the scripted times (a step every `step_s`, default the server's);
+        "drop" / "eof" stop half-way."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await asyncio.sleep(self.ttft_s)
         sent = 0
         for i, cut in enumerate(cuts):
             if i:
-                await asyncio.sleep(self.step_s)
+                await asyncio.sleep(self.step_s if step_s is None else step_s)
             if fault in ("drop", "eof") and i >= max(1, len(cuts) // 2):
                 if fault == "drop":
                     request.transport.close()  # mid-stream: no terminating chunk
@@ -312,15 +341,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--incremental-streaming-output", action="store_true")
     p.add_argument("--load-seconds", type=float, default=0.5)
     p.add_argument("--crash", action="store_true", help="exit at once (a failed start)")
+    p.add_argument("--fake-tokens-per-round", type=int, default=3,
+                   help="tokens an EAGLE3 server commits a round (its acceptance)")
+    p.add_argument("--fake-step-s", type=float, default=0.02, help="seconds a step or round")
     args, _ = p.parse_known_args(argv)
     print(f"fake sglang starting on {args.port}", flush=True)
     if args.crash:
         raise SystemExit("fake sglang: CUDA out of memory while loading weights")
     time.sleep(args.load_seconds)  # loading weights: /model_info does not answer yet
     info = {k: v for k, v in vars(args).items()
-            if k not in ("load_seconds", "crash", "incremental_streaming_output")}
-    k = 3 if args.speculative_algorithm == "EAGLE3" else None
-    server = FakeBenchServer(info, tokens_per_verify=k,
+            if k not in ("load_seconds", "crash", "incremental_streaming_output")
+            and not k.startswith("fake_")}
+    k = args.fake_tokens_per_round if args.speculative_algorithm == "EAGLE3" else None
+    server = FakeBenchServer(info, tokens_per_verify=k, step_s=args.fake_step_s,
                              incremental=args.incremental_streaming_output)
     web.run_app(server.app(), host="127.0.0.1", port=args.port, print=None,
                 handler_cancellation=True)

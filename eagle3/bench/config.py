@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.bench.settings import check_distinct_urls, check_spec_args
 from eagle3.core.cli import UpstreamStageFlags, arg
 from eagle3.core.preflight import Problem
 from eagle3.core.target import TRUST_HELP, check_remote_code
@@ -42,13 +43,20 @@ class BenchmarkConfig(UpstreamStageFlags):
     device: str = arg("cpu", "hf: torch device")
     dtype: str = arg("float32", "hf: target and draft dtype")
     baseline_url: str | None = arg(None, "sglang: running server without a draft")
-    spec_url: str | None = arg(None, "sglang: running server with this draft (EAGLE3)")
-    launch_args: str | None = arg(None, "sglang, vllm: launch both servers here, one after the "
-                                        "other, with these flags (sglang: --model-path, "
+    spec_url: list[str] | None = arg(None, "sglang: running servers with this draft (EAGLE3), one "
+                                           "URL each, measured one after the other against the "
+                                           "one baseline; each labelled from its /server_info "
+                                           "(chain 3, tree 4x2/8)")
+    launch_args: str | None = arg(None, "sglang, vllm: launch the servers here (the baseline, "
+                                        "then each speculative one), one after the other, "
+                                        "with these flags (sglang: --model-path, "
                                         "--tp-size ...; vllm: --tensor-parallel-size ..., the "
                                         "model is --target)")
-    spec_args: str = arg(SPEC_DEFAULT, "sglang: extra flags of the launched speculative server "
-                                       "(05 adds --speculative-algorithm EAGLE3 and the draft)")
+    spec_args: list[str] = arg([SPEC_DEFAULT], "sglang: flags of each launched speculative "
+                                               "server, one quoted string a server (05 adds "
+                                               "--speculative-algorithm EAGLE3 and the draft), "
+                                               "launched one after the other after the "
+                                               "baseline")
     port: int = arg(30000, "sglang: port of the launched servers")
     sglang_python: str = arg(sys.executable, "sglang: python that runs sglang.launch_server")
     vllm_python: str = arg(sys.executable, "vllm: python that runs vLLM's api_server (a venv "
@@ -101,6 +109,26 @@ class BenchmarkConfig(UpstreamStageFlags):
                                  "(running servers) or --launch-args (start them here)")
             if attach and (self.baseline_url is None or self.spec_url is None):
                 raise ValueError("give both --baseline-url and --spec-url")
+        self._check_spec_servers(attach)
+
+    def _check_spec_servers(self, attach: bool) -> None:
+        """Several speculative servers (sglang): each given once, by the flag that fits."""
+        if isinstance(self.spec_url, str):  # a config built in code with one URL
+            self.spec_url = [self.spec_url]
+        if isinstance(self.spec_args, str):
+            self.spec_args = [self.spec_args]
+        if not self.spec_args:
+            raise ValueError("--spec-args needs at least one flag string")
+        if self.backend != "sglang":
+            if self.spec_url is not None and len(self.spec_url) > 1:
+                raise ValueError(f"--backend {self.backend} takes one --spec-url")
+            return
+        if self.spec_url is not None:
+            check_distinct_urls(self.spec_url)
+        if attach and self.spec_args != [SPEC_DEFAULT] and not self.check_only:
+            raise ValueError("--spec-args is for the servers 05 launches (--launch-args); an "
+                             "attached server's settings are read from its /server_info")
+        check_spec_args(self.spec_args)
 
 
 @dataclass

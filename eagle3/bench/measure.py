@@ -20,8 +20,9 @@ How each figure is measured, on our own requests only:
 - loop share: share of the output tokens inside repetition loops (eagle3/core/loops.py); the
   loop-free acceptance needs per-round lengths, which the servers do not report;
 - speedup: speculative total tok/s / baseline total tok/s at the same prompt set and concurrency;
-- lossless: at temperature 0 the speculative server must answer each prompt as the baseline did
-  (`check_lossless`); a level's `lossless_mismatches` counts the prompts whose outputs differ.
+- lossless: at temperature 0 the speculative server must answer each prompt as the baseline did,
+  beside how often the baseline disagrees with itself across concurrencies (`check_lossless`,
+  eagle3/bench/compare.py, with the speedups).
 
 Faults (eagle3/bench/faults.py): each request is retried with backoff on a server error, a
 timeout, a cut stream or an answer whose counts cannot be (`check_answer`: more tokens than
@@ -47,6 +48,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from eagle3.bench.compare import combine
 from eagle3.bench.config import BenchmarkConfig
 from eagle3.bench.faults import (
     FAILED_FILE,
@@ -294,11 +296,13 @@ def measure_levels(base_url: str, role: str, prompt_sets: list[PromptSet],
 
 
 def measure_roles(cfg: BenchmarkConfig, prompt_sets: list[PromptSet], stage_dir: Path,
-                  measure_role: Callable, stop=None) -> tuple[dict, dict, LoadSettings]:
-    """Baseline, then speculative, one server at a time: (measured, servers, load) by role.
-    `measure_role(role, load, sinks, bar)` serves the role and returns (server summary for
-    results.json, its `measure_levels` answer); `sinks` holds `measure_levels`' sink,
-    failed_sink and stop. A stop raises PartialRun holding what both roles measured."""
+                  measure_role: Callable, stop=None,
+                  roles: tuple[str, ...] = ROLES) -> tuple[dict, dict, LoadSettings]:
+    """Baseline, then each speculative server (`roles`, in order), one server at a time:
+    (measured, servers, load) by role. `measure_role(role, load, sinks, bar)` serves the role
+    and returns (server summary for results.json, its `measure_levels` answer); `sinks` holds
+    `measure_levels`' sink, failed_sink and stop. A stop raises PartialRun holding what every
+    role measured."""
     fixed = {"ignore_eos": True} if cfg.ignore_eos else {}  # SGLang's and vLLM's name alike
     load = LoadSettings({"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                          **fixed},
@@ -307,14 +311,14 @@ def measure_roles(cfg: BenchmarkConfig, prompt_sets: list[PromptSet], stage_dir:
                         vocab_size=(read_target_info(cfg.target).vocab_size
                                     if cfg.target is not None else None))
     n = sum(max(len(ps.prompts), 2 * c) for ps in prompt_sets for c in cfg.concurrency)
-    bar = progress(total=2 * n, desc="05 requests", unit="req")
+    bar = progress(total=len(roles) * n, desc="05 requests", unit="req")
     for name in (REQUESTS_FILE, FAILED_FILE):  # a re-run measures afresh
         (stage_dir / name).unlink(missing_ok=True)
     measured, servers = {}, {}
     try:
         with JsonlAppender(stage_dir / REQUESTS_FILE) as sink, \
                 JsonlAppender(stage_dir / FAILED_FILE, fsync_every=1) as failed_sink:
-            for role in ROLES:
+            for role in roles:
                 sinks = {"sink": sink, "failed_sink": failed_sink, "stop": stop}
                 servers[role], measured[role] = measure_role(role, load, sinks, bar)
     except Interrupted as e:
@@ -332,22 +336,26 @@ def measure_roles(cfg: BenchmarkConfig, prompt_sets: list[PromptSet], stage_dir:
 
 
 def partial_results(measured: dict, servers: dict) -> dict:
-    """What a stopped run keeps: the levels both servers finished (compared), and those only
-    the baseline finished."""
+    """What a stopped run keeps: the levels the baseline and the first speculative server
+    finished (compared, with what the further ones finished), and those only the baseline
+    finished."""
     base, spec = measured.get("baseline", {}), measured.get("speculative", {})
+    others = {role: sets for role, sets in measured.items() if role not in ROLES}
     only = {name: {c: s for c, s in levels.items() if c not in spec.get(name, {})}
             for name, levels in base.items()}
-    return {"servers": servers, "prompt_sets": combine(base, spec),
+    return {"servers": servers, "prompt_sets": combine(base, spec, others or None),
             "baseline_only": {name: levels for name, levels in only.items() if levels}}
 
 
 @contextlib.contextmanager
 def attached_or_launched(cfg: BenchmarkConfig, role: str, command: Callable[[], list[str]],
-                         stage_dir: Path, **launch) -> Iterator[tuple[str, Path | None]]:
-    """(url, log path or None) of the role's server: the one given by URL (attached), or
-    `command()` launched on `--port` for the block, its log in `server_<role>.log`."""
+                         stage_dir: Path, url: str | None = None,
+                         **launch) -> Iterator[tuple[str, Path | None]]:
+    """(url, log path or None) of the role's server: the one given by URL (attached: `url`,
+    else --baseline-url or the first --spec-url), or `command()` launched on `--port` for the
+    block, its log in `server_<role>.log`."""
     if cfg.launch_args is None:
-        yield (cfg.baseline_url if role == "baseline" else cfg.spec_url), None
+        yield url or (cfg.baseline_url if role == "baseline" else cfg.spec_url[0]), None
         return
     url, log_path = f"http://127.0.0.1:{cfg.port}", stage_dir / f"server_{role}.log"
     with LaunchedServer(command(), log_path, url, cfg.ready_timeout_s, **launch):
@@ -371,63 +379,3 @@ def brief_level(s: dict) -> str:
             + (f", acceptance {acc:.3f} (loop share {s['loop_share']:.0%})"
                if acc is not None else "")
             + (f", {failed} requests FAILED (not counted)" if failed else ""))
-
-
-def check_lossless(measured: dict, temperature: float) -> tuple[int | None, list[str]]:
-    """At temperature 0, the speculative requests (per set and level) whose output is none of
-    the baseline's outputs of the same prompt: each level's count as its speculative summary's
-    `lossless_mismatches`, beside `lossless_compared` (the requests compared); (the total, its
-    preflight note). A prompt whose requests failed on either server is not compared; None
-    above temperature 0 (sampling). Every summary's outputs become a list in prompt order (a
-    prompt's first request)."""
-    total = None
-    if temperature == 0:
-        total = 0
-        for name, levels in measured["speculative"].items():
-            for c, spec in levels.items():
-                base = measured["baseline"][name][c]["outputs"]
-                pairs = [(ids, base[p]) for p, outs in spec["outputs"].items() if p in base
-                         for ids in outs]
-                spec["lossless_compared"] = len(pairs)
-                spec["lossless_mismatches"] = bad = sum(ids not in plain for ids, plain in pairs)
-                total += bad
-    for levels in measured.values():
-        for summary in levels.values():
-            for s in summary.values():
-                s["outputs"] = [s["outputs"][p][0] for p in sorted(s["outputs"])]
-    notes = [f"error: {total} speculative outputs differ from the baseline's at temperature 0: "
-             "the speculative server does not decode losslessly (see report.md)"] if total else []
-    return total, notes
-
-
-def speedup_error(base: dict | None, spec: dict) -> str | None:
-    """Why a level has no speedup (None: it has one): a side measured nothing, so the ratio
-    would be a 0 or a division, not a measurement."""
-    for role, s in (("baseline", base), ("speculative", spec)):
-        if s is None:
-            return f"no {role} level measured"
-        if not s["requests"] or s["total_tok_s"] <= 0:
-            failed = s.get("failed_requests", 0)
-            return (f"every {role} request failed ({failed} in failed_requests.jsonl)"
-                    if failed else f"no {role} request measured")
-    return None
-
-
-def combine(baseline: dict, speculative: dict) -> dict:
-    """{set: {concurrency: {baseline, speculative, speedup, per_request_speedup,
-    speedup_error}}}; the speedups are None, with `speedup_error` saying why, when a side
-    measured nothing."""
-    out = {}
-    for name, levels in speculative.items():
-        out[name] = {}
-        for c, spec in levels.items():
-            base = baseline.get(name, {}).get(c)
-            error = speedup_error(base, spec)
-            row = {"baseline": base, "speculative": spec, "speedup": None,
-                   "per_request_speedup": None, "speedup_error": error}
-            if error is None:
-                row["speedup"] = spec["total_tok_s"] / base["total_tok_s"]
-                row["per_request_speedup"] = spec["per_request_tok_s"] / base["per_request_tok_s"]
-            out[name][c] = row
-    return out
-

@@ -24,7 +24,13 @@ def check_speculative_server(info: dict, draft_config: dict | None = None,
     problems = []
     algo = info.get("speculative_algorithm")
     eagle3 = draft_config is None or is_eagle3_draft(draft_config)
-    if eagle3 and algo != "EAGLE3":
+    if not algo:
+        problems.append(Problem("error", "the server runs no speculative decoding "
+                                "(speculative_algorithm None): a plain server, where a "
+                                "speculative one belongs. Start it with "
+                                "--speculative-algorithm EAGLE3 --speculative-draft-model-path "
+                                "<draft>, or give it as the baseline"))
+    elif eagle3 and algo != "EAGLE3":
         effect = (" — it starts fine, but the target captures no aux states, the draft gets one "
                   "hidden state instead of three, fc is skipped and d2t ignored: acceptance "
                   "collapses to about 1" if algo == "EAGLE" else "")

@@ -1,8 +1,11 @@
 """Stage 05 report: `report.md` tables and PNG plots from `results.json`.
 
-SGLang results: per prompt set, one row per concurrency level (acceptance length, loop share,
-speedup, tokens/s in total and per request, TTFT) and two plots, speedup and acceptance length
-against concurrency. vLLM results: the same table and plots, acceptance from vLLM's `/metrics`
+SGLang results: the verdict (the fastest speculative setting per prompt set and concurrency,
+and the SGLang flags to serve it, or plain; eagle3/bench/verdict.py), then per prompt set one
+row per concurrency level and setting (acceptance length, loop share, speedup, tokens/s in total
+and per request, TTFT, outputs differing from plain beside plain differing from itself across
+concurrencies) and two plots, speedup and acceptance length against concurrency, a line per
+prompt set and setting. vLLM results: the same table and plots, acceptance from vLLM's `/metrics`
 counters (1 + accepted / drafts) with the tokens per verify round counted from the outputs, the
 per-position acceptance and the loop share beside it. Offline (hf) results: per prompt set,
 one row per chain length (acceptance length, loop share, loop-free acceptance, ...) and a plot
@@ -16,11 +19,9 @@ the baseline's at temperature 0 (NOT lossless), and a run stopped by a signal is
 
 from __future__ import annotations
 
-import io
-from pathlib import Path
-
+from eagle3.bench.compare import beyond_noise
+from eagle3.bench.verdict import verdict_markdown, verdict_rows
 from eagle3.core.loops import MAX_PERIOD, MIN_REPEATS, MIN_SPAN
-from eagle3.core.stage import atomic_write_bytes
 
 LOOP_RULE = (f"eagle3/core/loops.py: a unit of 1-{MAX_PERIOD} tokens repeated >= {MIN_REPEATS} "
              f"times over >= {MIN_SPAN} tokens")
@@ -32,6 +33,13 @@ length = sum(completion_tokens) / sum(spec_verify_ct); speedup = speculative tot
 baseline total tok/s at the same concurrency; loop share = share of output tokens inside
 repetition loops ({LOOP_RULE}), where a draft's acceptance is inflated. Each level sends
 max(prompts, 2 x concurrency) requests, prompts cycled."""
+
+NOISE = """Outputs at temperature 0: "outputs differing from plain" = prompts whose speculative
+output is none of the plain outputs at the same concurrency; "plain differing from its lowest
+concurrency" = prompts whose plain output differs from the plain output at the lowest
+concurrency measured (0 there by construction): bf16 kernels change with the batch, so plain
+disagrees with itself. A speculative share within plain's own at that concurrency is that noise,
+not a draft bug (eagle3/bench/compare.py)."""
 
 LOOPS = f"""Loop share: share of generated tokens inside repetition loops ({LOOP_RULE}), where
 any draft is accepted trivially. Loop-free acceptance: the acceptance length over the verify rounds before each output's first
@@ -81,28 +89,53 @@ def _header(results: dict, title: str) -> list[str]:
 def _sglang_markdown(results: dict) -> str:
     lines = _header(results, "05 benchmark (SGLang)")
     for role, info in results.get("servers", {}).items():
+        setting = f"{info['label']}: " if info.get("label") else ""
         lines.append(f"- {role} server: {info.get('url')} (SGLang {info.get('version')}, "
-                     f"{info.get('speculative') or 'no draft'})")
+                     f"{setting}{info.get('speculative') or 'no draft'})")
         if info.get("layers"):
             lines.append(f"- served draft reads: {info['layers']}")
     lines += [f"- sampling: {results.get('sampling_params')}, streaming: "
               f"{results.get('stream')}", _lossless_line(results), ""]
+    lines += verdict_markdown(results)
     for name, levels in results["prompt_sets"].items():
         lines += [f"## {name} ({results.get('prompts', {}).get(name, '?')} prompts)", "",
-                  "| concurrency | acceptance length | loop share | speedup | spec tok/s | "
+                  "| concurrency | setting | acceptance length | loop share | speedup | spec tok/s | "
                   "baseline tok/s | spec tok/s per request | baseline tok/s per request | "
-                  "TTFT spec / baseline (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "TTFT spec / baseline (ms) | outputs differing from plain | plain differing "
+                  "from its lowest concurrency |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, row in levels.items():
-            s, b = row["speculative"], row["baseline"] or {}
-            lines.append(
-                f"| {c} | {_f(s['acceptance_length'], '.3f')} | "
-                f"{_f(s.get('loop_share'), '.3f')} | {_speedup(row['speedup'])} | "
-                f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
-                f"{_f(s['per_request_tok_s'], '.1f')} | {_f(b.get('per_request_tok_s'), '.1f')} | "
-                f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)} |")
-        lines += _fault_notes(levels) + [""]
-    lines += [MEASURED, ""]
+            b = row["baseline"] or {}
+            for _, name_, s, ratios in level_settings(results, row):
+                lines.append(
+                    f"| {c} | {name_} | {_f(s['acceptance_length'], '.3f')} | "
+                    f"{_f(s.get('loop_share'), '.3f')} | {_speedup(ratios.get('speedup'))} | "
+                    f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
+                    f"{_f(s['per_request_tok_s'], '.1f')} | "
+                    f"{_f(b.get('per_request_tok_s'), '.1f')} | "
+                    f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)}"
+                    f" | {_of(s, 'mismatch_prompts', 'mismatch_compared')} | "
+                    f"{_of(b, 'plain_noise_prompts', 'plain_noise_compared')} |")
+        lines += _fault_notes(levels, results) + [""]
+    lines += [MEASURED, "", NOISE, ""]
     return "\n".join(lines)
+
+
+def level_settings(results: dict, row: dict) -> list[tuple[str, str, dict, dict]]:
+    """(role, label, summary, ratios) of each speculative setting measured at one level (the
+    run's `settings`; a partial run's servers; else the one speculative server)."""
+    servers = {role: info for role, info in (results.get("servers") or {}).items()
+               if role != "baseline"} or {"speculative": {}}
+    settings = results.get("settings") or [{"role": role, "label": info.get("label") or role}
+                                           for role, info in servers.items()]
+    ratios = row.get("settings") or {"speculative": row}
+    return [(s["role"], s["label"], row[s["role"]], ratios.get(s["role"]) or {})
+            for s in settings if row.get(s["role"])]
+
+
+def _of(s: dict, n_key: str, of_key: str) -> str:
+    """`3 / 8 (38%)` of prompts, "-" where not compared (sampling, or no request)."""
+    n, of = s.get(n_key), s.get(of_key)
+    return "-" if n is None or not of else f"{n} / {of} ({n / of:.0%})"
 
 
 MEASURED_VLLM = """How these figures are measured: tok/s, TTFT and speedup as for SGLang (our own
@@ -133,7 +166,7 @@ def _vllm_markdown(results: dict) -> str:
                 f"{_f(s.get('loop_share'), '.2f')} | {_speedup(row['speedup'])} | "
                 f"{_f(s['total_tok_s'], '.1f')} | {_f(b.get('total_tok_s'), '.1f')} | "
                 f"{_f(s['ttft_mean_s'], '.0f', 1e3)} / {_f(b.get('ttft_mean_s'), '.0f', 1e3)} |")
-        lines += _fault_notes(levels) + [""]
+        lines += _fault_notes(levels, results) + [""]
     lines += [MEASURED_VLLM, ""]
     return "\n".join(lines)
 
@@ -141,29 +174,52 @@ def _vllm_markdown(results: dict) -> str:
 def _lossless_line(results: dict) -> str:
     """The server backends' lossless check (speculative outputs against the baseline's)."""
     n = results.get("lossless_mismatches")
+    beyond = sum(s["lossless_mismatches"] for levels in results.get("prompt_sets", {}).values()
+                 for row in levels.values() for _, _, s, _ in level_settings(results, row)
+                 if beyond_noise(s))
     verdict = ("n/a (sampling)" if n is None else "0 (lossless)" if n == 0
-               else f"**{n} (NOT lossless: the figures are not those of a correct server)**")
+               else f"**{n} (NOT lossless: the figures are not those of a correct server)**"
+               if beyond else f"{n}, each level's share within plain's own differences "
+                              "across concurrencies (batch-size noise, not a draft bug)")
     return f"- speculative outputs differing from the baseline's (temperature 0): {verdict}"
 
 
-def _fault_notes(levels: dict) -> list[str]:
+def _fault_notes(levels: dict, results: dict) -> list[str]:
     """Lines under a table: requests that failed for good, acceptance or a speedup that cannot
-    be figured, outputs that are not lossless."""
+    be figured, outputs that are not lossless, or whose differences are plain's own."""
     notes = []
     for c, row in levels.items():
         if row.get("speedup_error"):
             notes.append(f"- c={c}: speedup \"-\": {row['speedup_error']}")
-        for role in ("baseline", "speculative"):
-            s = row.get(role) or {}
-            if s.get("failed_requests"):
-                notes.append(f"- c={c} {role}: {s['failed_requests']} requests FAILED, left out "
-                             "of every figure (failed_requests.jsonl)")
-            if s.get("acceptance_error"):
-                notes.append(f"- c={c} {role}: acceptance \"-\": {s['acceptance_error']}")
-            if s.get("lossless_mismatches"):
-                notes.append(f"- c={c} {role}: {s['lossless_mismatches']} outputs differ from "
-                             "the baseline's at temperature 0 (NOT lossless)")
+        base = row.get("baseline") or {}
+        notes += _level_notes(c, "baseline", base, base)
+        settings = level_settings(results, row)
+        for role, label, s, ratios in settings:
+            who = f"{role} ({label})" if len(settings) > 1 else role
+            if len(settings) > 1 and ratios.get("speedup_error"):
+                notes.append(f"- c={c} {who}: speedup \"-\": {ratios['speedup_error']}")
+            notes += _level_notes(c, who, s, base)
     return [""] + notes if notes else []
+
+
+def _level_notes(c: str, who: str, s: dict, base: dict) -> list[str]:
+    """One server's notes at one level; `base`: the baseline's summary there."""
+    notes = []
+    if s.get("failed_requests"):
+        notes.append(f"- c={c} {who}: {s['failed_requests']} requests FAILED, left out of "
+                     "every figure (failed_requests.jsonl)")
+    if s.get("acceptance_error"):
+        notes.append(f"- c={c} {who}: acceptance \"-\": {s['acceptance_error']}")
+    if beyond_noise(s):
+        notes.append(f"- c={c} {who}: {s['lossless_mismatches']} outputs differ from the "
+                     "baseline's at temperature 0 (NOT lossless)")
+    elif s.get("lossless_mismatches"):
+        notes.append(f"- c={c} {who}: {_of(s, 'mismatch_prompts', 'mismatch_compared')} "
+                     f"prompts differ from plain at concurrency {c}, within plain's own "
+                     f"{_of(base, 'plain_noise_prompts', 'plain_noise_compared')} between "
+                     f"concurrency {c} and {base.get('plain_noise_reference')}: bf16's "
+                     "batch-size noise, not a draft bug")
+    return notes
 
 
 def _offline_markdown(results: dict) -> str:
@@ -202,41 +258,11 @@ def _context_markdown(results: dict) -> list[str]:
 
 def summary_rows(results: dict) -> tuple[dict, dict, bool]:
     """(manifest outputs, rows of the closing summary, lossless) of the results."""
-    outputs, rows, ok = {}, {}, True
-    for name, r in results["prompt_sets"].items():
-        if results["backend"] == "hf":
-            for s, m in r["steps"].items():
-                outputs.setdefault(s, m["acceptance_length"])
-                outputs.setdefault("loops", {}).setdefault(s, {
-                    "loop_share": m.get("loop_share"),
-                    "loop_free_acceptance": m.get("loop_free_acceptance")})
-                ok &= not m["lossless_mismatches"]
-                lossless = ("n/a (sampling)" if m["lossless_mismatches"] is None
-                            else m["lossless_mismatches"] == 0)
-                rows[f"{name} steps {s}: acceptance length"] = (
-                    f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), {loop_note(m)}, "
-                    f"lossless: {lossless}")
-            continue
-        ok &= not results.get("lossless_mismatches")  # speculative == baseline at T=0
-        for c, row in r.items():
-            acc = row["speculative"]["acceptance_length"]
-            outputs[f"{name} c={c}"] = acc
-            speedup = row["speedup"]
-            speedup_text = (f"{speedup:.2f}x" + (" (SLOWER than no draft)" if speedup < 1
-                                                 else "")
-                            if speedup is not None
-                            else f"- ({row.get('speedup_error') or 'not measured'})")
-            loops = row["speculative"].get("loop_share")
-            failed = sum((row.get(role) or {}).get("failed_requests", 0)
-                         for role in ("baseline", "speculative"))
-            spec = row["speculative"]
-            rows[f"{name} c={c}"] = (f"acceptance {_f(acc, '.3f')} (loop share "
-                                     f"{_f(loops, '.0%')}), speedup {speedup_text}"
-                                     + (f", {failed} requests FAILED" if failed else "")
-                                     + (f", {spec['lossless_mismatches']} outputs NOT lossless"
-                                        if spec.get("lossless_mismatches") else "")
-                                     + (f" (acceptance: {spec['acceptance_error']})"
-                                        if spec.get("acceptance_error") else ""))
+    if results["backend"] == "hf":
+        outputs, rows, ok = _offline_rows(results)
+    else:
+        outputs, rows, ok = _served_rows(results)
+        rows.update(verdict_rows(results))
     if results.get("failed_requests"):  # figures over the good requests only: look first
         ok = False
         rows["failed requests"] = (f"{results['failed_requests']} (left out of every figure; "
@@ -246,70 +272,60 @@ def summary_rows(results: dict) -> tuple[dict, dict, bool]:
     return outputs, rows, ok
 
 
+def _offline_rows(results: dict) -> tuple[dict, dict, bool]:
+    outputs, rows, ok = {}, {}, True
+    for name, r in results["prompt_sets"].items():
+        for s, m in r["steps"].items():
+            outputs.setdefault(s, m["acceptance_length"])
+            outputs.setdefault("loops", {}).setdefault(s, {
+                "loop_share": m.get("loop_share"),
+                "loop_free_acceptance": m.get("loop_free_acceptance")})
+            ok &= not m["lossless_mismatches"]
+            lossless = ("n/a (sampling)" if m["lossless_mismatches"] is None
+                        else m["lossless_mismatches"] == 0)
+            rows[f"{name} steps {s}: acceptance length"] = (
+                f"{m['acceptance_length']:.3f} (ceiling {int(s) + 1}), {loop_note(m)}, "
+                f"lossless: {lossless}")
+    return outputs, rows, ok
+
+
+def _served_rows(results: dict) -> tuple[dict, dict, bool]:
+    """A row per prompt set, level and setting (one setting: `chat c=1`, as before settings;
+    several: `chat c=1 chain 3`); lossless unless a setting's outputs differ from plain's
+    beyond plain's own noise (temperature 0)."""
+    outputs, rows, ok = {}, {}, True
+    for name, levels in results["prompt_sets"].items():
+        for c, row in levels.items():
+            settings = level_settings(results, row)
+            for _, label, spec, ratios in settings:
+                key = f"{name} c={c}" + (f" {label}" if len(settings) > 1 else "")
+                outputs[key] = spec["acceptance_length"]
+                rows[key] = _served_row(spec, ratios, row.get("baseline") or {})
+                ok &= not beyond_noise(spec)
+    return outputs, rows, ok
+
+
+def _served_row(spec: dict, ratios: dict, base: dict) -> str:
+    """`acceptance 2.380 (loop share 6%), speedup 1.42x`, and what went wrong."""
+    speedup = ratios.get("speedup")
+    speedup_text = (f"{speedup:.2f}x" + (" (SLOWER than no draft)" if speedup < 1 else "")
+                    if speedup is not None
+                    else f"- ({ratios.get('speedup_error') or 'not measured'})")
+    failed = base.get("failed_requests", 0) + spec.get("failed_requests", 0)
+    within = spec.get("lossless_mismatches") and not beyond_noise(spec)
+    return (f"acceptance {_f(spec['acceptance_length'], '.3f')} (loop share "
+            f"{_f(spec.get('loop_share'), '.0%')}), speedup {speedup_text}"
+            + (f", {failed} requests FAILED" if failed else "")
+            + (f", {spec['lossless_mismatches']} outputs NOT lossless"
+               if beyond_noise(spec) else "")
+            + (f", {spec['lossless_mismatches']} outputs differ from plain within plain's own "
+               "noise" if within else "")
+            + (f" (acceptance: {spec['acceptance_error']})"
+               if spec.get("acceptance_error") else ""))
+
+
 def loop_note(m: dict) -> str:
     """`loop share 88%, loop-free acceptance 1.000 (12 rounds)` of one offline result."""
     free = m.get("loop_free_acceptance")
     return (f"loop share {_f(m.get('loop_share'), '.0%')}, loop-free acceptance "
             f"{_f(free, '.3f')} ({m.get('loop_free_verify_passes', 0)} rounds)")
-
-
-def write_plots(results: dict, out_dir: Path) -> list[Path]:
-    """PNG plots next to report.md; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir)
-    paths = []
-    if results.get("backend") in ("sglang", "vllm"):
-        panels = [("speedup", "speedup over no draft", "speedup_vs_concurrency.png", 1.0),
-                  ("acceptance_length", "acceptance length", "acceptance_vs_concurrency.png",
-                   None)]
-        for key, label, fname, ref in panels:
-            fig, ax = plt.subplots(figsize=(6, 4))
-            plotted = False
-            for name, levels in results["prompt_sets"].items():
-                xs = [int(c) for c in levels]
-                ys = [levels[c]["speedup"] if key == "speedup"
-                      else levels[c]["speculative"]["acceptance_length"] for c in levels]
-                if all(y is None for y in ys):  # every request failed, or no counters
-                    continue
-                ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o",
-                        label=name)
-                plotted = True
-            if ref is not None:
-                ax.axhline(ref, color="gray", linestyle="--", linewidth=1)
-            if plotted:
-                ax.set_xscale("log", base=2)
-            else:
-                ax.text(0.5, 0.5, "no level measured (see report.md)", ha="center",
-                        transform=ax.transAxes)
-            ax.set(xlabel="concurrency (requests in flight)", ylabel=label,
-                   title=f"{label} vs concurrency")
-            if plotted:
-                ax.legend()
-            paths.append(_save(fig, out_dir / fname))
-    else:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, r in results["prompt_sets"].items():
-            steps = [int(s) for s in r["steps"]]
-            ax.plot(steps, [r["steps"][str(s)]["acceptance_length"] for s in steps], marker="o",
-                    label=name)
-        ax.plot(steps, [s + 1 for s in steps], color="gray", linestyle="--", label="ceiling")
-        ax.set(xlabel="draft steps (chain length)", ylabel="acceptance length",
-               title="acceptance length vs chain length")
-        ax.legend()
-        paths.append(_save(fig, out_dir / "acceptance_vs_steps.png"))
-    return paths
-
-
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-    return path

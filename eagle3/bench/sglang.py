@@ -1,6 +1,9 @@
-"""Stage 05 with the `sglang` backend: a baseline server (no draft) and a speculative server
-(EAGLE3 + this draft), attached by URL or launched here from `--launch-args`, measured at each
-`--concurrency` on each prompt set (eagle3/bench/measure.py says how each figure is measured).
+"""Stage 05 with the `sglang` backend: a baseline server (no draft) and one or more speculative
+servers (EAGLE3 + this draft, one setting each: eagle3/bench/settings.py), attached by URL or
+launched here from `--launch-args`, one after the other, measured at each `--concurrency` on each
+prompt set (eagle3/bench/measure.py says how each figure is measured, eagle3/bench/compare.py
+how the servers are compared); then the verdict, which setting to serve at each level
+(eagle3/bench/verdict.py).
 
 Requests go to `/generate` with the prompt as token ids, streamed for TTFT; the acceptance
 length is `sum(completion_tokens) / sum(spec_verify_ct)` over our own requests. Before measuring,
@@ -17,14 +20,12 @@ from pathlib import Path
 
 import aiohttp
 
+from eagle3.bench.compare import check_lossless, combine
 from eagle3.bench.config import BenchmarkConfig, DraftCheck
 from eagle3.bench.faults import raise_for_status
 from eagle3.bench.measure import (
-    ROLES,
     LoadSettings,
     attached_or_launched,
-    check_lossless,
-    combine,
     measure_levels,
     measure_roles,
 )
@@ -35,9 +36,17 @@ from eagle3.bench.preflight import (
     check_streaming,
 )
 from eagle3.bench.prompts import PromptSet
+from eagle3.bench.settings import (
+    SeenSettings,
+    SpecServer,
+    label,
+    served_setting,
+    spec_servers,
+)
 from eagle3.bench.sse import SSEError, json_chunk, message_data
+from eagle3.bench.verdict import RESULTS_VERSION, verdict
 from eagle3.core.launcher import sglang_command
-from eagle3.core.preflight import PreflightError, raise_on_errors
+from eagle3.core.preflight import PreflightError, Problem, raise_on_errors
 from eagle3.core.progress import format_summary
 from eagle3.core.server import NotJSONError, TransientError, get_server_info, json_object
 from eagle3.core.stage import STAGE_DIRS
@@ -59,7 +68,9 @@ def check_draft(cfg: BenchmarkConfig, draft_dir: Path) -> DraftCheck:
 
 def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
     """Preflight of the draft and of the servers given by URL; prints every problem."""
-    infos = asyncio.run(_server_infos({"baseline": cfg.baseline_url, "speculative": cfg.spec_url}))
+    specs = spec_servers(cfg.spec_url, cfg.spec_args, attached=True)
+    infos = asyncio.run(_server_infos({"baseline": cfg.baseline_url,
+                                       **{s.role: s.url for s in specs}}))
     version = (infos.get("speculative") or {}).get("version") or cfg.sglang_version
     try:
         problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir, version)
@@ -68,9 +79,15 @@ def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
         return 1
     if "baseline" in infos:
         problems += check_baseline_server(infos["baseline"])
-    if "speculative" in infos:
-        problems += check_speculative_server(infos["speculative"], read_draft_config(draft_dir),
-                                             draft_dir)
+    draft_config, seen = read_draft_config(draft_dir), SeenSettings()
+    for s in specs:
+        found = check_speculative_server(infos[s.role], draft_config, draft_dir)
+        problems += [Problem(p.level, f"{s.source}: {p.message}") if len(specs) > 1 else p
+                     for p in found]
+        try:
+            seen.add(infos[s.role], f"{s.url} ({s.source})")
+        except PreflightError as e:
+            problems.append(Problem("error", str(e)))
     for p in problems:
         print(p)
     errors = sum(p.level == "error" for p in problems)
@@ -82,29 +99,52 @@ def check_only(cfg: BenchmarkConfig, draft_dir: Path) -> int:
 
 def measure(cfg: BenchmarkConfig, draft_dir: Path, sets: list[PromptSet], stage_dir: Path,
             renderer, check: DraftCheck, stop=None) -> dict:
-    """Baseline, then speculative: each attached or launched, checked, then measured.
+    """The baseline, then each speculative server: each attached or launched, checked, then
+    measured; attached servers are all checked before any is measured.
 
     "preflight" in the answer: the servers' warnings, for results.json."""
+    specs = spec_servers(cfg.spec_url, cfg.spec_args, cfg.launch_args is None)
+    by_role = {s.role: s for s in specs}
+    inspect = Inspector(cfg, draft_dir)
+    if cfg.launch_args is None:  # every URL is known: refuse a bad one before measuring
+        inspect.attached(cfg.baseline_url, specs)
 
     def measure_role(role: str, load: LoadSettings, sinks: dict, bar) -> tuple[dict, dict]:
-        with _server(cfg, role, draft_dir, stage_dir) as (url, _):
-            info = asyncio.run(_server_infos({role: url}))[role]
-            server = _check_server(role, info, url, cfg, draft_dir)
+        spec = by_role.get(role)
+        with _server(cfg, role, spec, draft_dir, stage_dir) as (url, _):
+            server = inspect(role, url, spec)
+            info = server["info"]
             load.incremental_stream = bool(info.get("incremental_streaming_output"))
-            load.speculative = role == "speculative"
+            load.speculative = spec is not None
             load.round_tokens = round_tokens(info) if load.speculative else None
             return server, measure_server(url, role, sets, cfg.concurrency, load, bar=bar,
                                           **sinks)
 
-    measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role, stop)
-    pair = check_server_pair(*(servers[r].pop("info") for r in ROLES))
+    roles = ("baseline", *by_role)
+    measured, servers, load = measure_roles(cfg, sets, stage_dir, measure_role, stop, roles)
+    settings = [served_setting(s, servers[s.role]["info"], servers[s.role]["url"], draft_dir)
+                for s in specs]
+    pair = server_pair_problems({r: servers[r].pop("info") for r in roles}, settings)
     raise_on_errors(pair, "servers")
     mismatches, lossless_notes = check_lossless(measured, cfg.temperature)
-    notes = [n for role in ROLES for n in servers[role].pop("preflight")] + lossless_notes
-    return {"preflight": notes + [str(p) for p in pair], "servers": servers,
-            "sampling_params": load.sampling_params, "stream": cfg.stream,
-            "lossless_mismatches": mismatches,
-            "prompt_sets": combine(measured["baseline"], measured["speculative"])}
+    notes = [n for role in roles for n in servers[role].pop("preflight")] + lossless_notes
+    prompt_sets = combine(measured["baseline"], measured["speculative"],
+                          {s.role: measured[s.role] for s in specs[1:]})
+    return {"results_version": RESULTS_VERSION, "preflight": notes + [str(p) for p in pair],
+            "servers": servers, "settings": settings, "sampling_params": load.sampling_params,
+            "stream": cfg.stream, "lossless_mismatches": mismatches, "prompt_sets": prompt_sets,
+            "verdict": verdict(prompt_sets, settings)}
+
+
+def server_pair_problems(infos: dict, settings: list[dict]) -> list[Problem]:
+    """Each speculative server against the baseline (eagle3/bench/preflight.py), named by its
+    label when there are several."""
+    problems = []
+    for s in settings:
+        for p in check_server_pair(infos["baseline"], infos[s["role"]]):
+            problems.append(p if len(settings) == 1 else
+                            Problem(p.level, f"{s['label']} ({s['source']}): {p.message}"))
+    return problems
 
 
 def round_tokens(info: dict) -> int | None:
@@ -130,39 +170,64 @@ async def _server_infos(urls: dict) -> dict:
         return {role: await get_server_info(session, url) for role, url in urls.items() if url}
 
 
-def _check_server(role: str, info: dict, url: str, cfg: BenchmarkConfig, draft_dir: Path) -> dict:
-    """The server's summary for results.json, with its warnings under "preflight"."""
-    layers = None
-    if role == "baseline":
-        problems = check_baseline_server(info)
-    else:
-        problems = check_speculative_server(info, read_draft_config(draft_dir), draft_dir)
-        version_problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir,
-                                                       info.get("version"))
-        problems += [p for p in version_problems if p.level == "error"]
-    if cfg.stream:
-        problems += check_streaming(info)
-    raise_on_errors(problems, f"{role} server {url}")
-    spec = info.get("speculative_algorithm")
-    return {"url": url, "version": info.get("version"), "model_path": info.get("model_path"),
-            "speculative": spec and (f"{spec}, steps {info.get('speculative_num_steps')}, topk "
-                                     f"{info.get('speculative_eagle_topk')}, draft tokens "
-                                     f"{info.get('speculative_num_draft_tokens')}"),
-            "layers": layers if role == "speculative" else None, "info": info,
-            "preflight": [f"{role} server: {p}" for p in problems]}
+class Inspector:
+    """Each server's flags checked once (`/server_info`): its summary for results.json, with
+    its warnings under "preflight" and its flags under "info"; a speculative server of a
+    setting seen already is refused (eagle3/bench/settings.py)."""
+
+    def __init__(self, cfg: BenchmarkConfig, draft_dir: Path):
+        self.cfg, self.draft_dir = cfg, draft_dir
+        self.draft_config = read_draft_config(draft_dir)
+        self.seen, self.done = SeenSettings(), {}
+
+    def attached(self, baseline_url: str, specs: list[SpecServer]) -> None:
+        """Every attached server, before any is measured."""
+        self("baseline", baseline_url, None)
+        for s in specs:
+            self(s.role, s.url, s)
+
+    def __call__(self, role: str, url: str, spec: SpecServer | None) -> dict:
+        if role not in self.done:
+            info = asyncio.run(_server_infos({role: url}))[role]
+            self.done[role] = self._check(role, info, url, spec)
+        return dict(self.done[role])
+
+    def _check(self, role: str, info: dict, url: str, spec: SpecServer | None) -> dict:
+        cfg, draft_dir, layers = self.cfg, self.draft_dir, None
+        where = f"{role} server {url}" + (f" ({spec.source})" if spec else "")
+        if spec is None:
+            problems = check_baseline_server(info)
+        else:
+            problems = check_speculative_server(info, self.draft_config, draft_dir)
+            version_problems, layers = check_draft_for_run(draft_dir, cfg.target, cfg.workdir,
+                                                           info.get("version"))
+            problems += [p for p in version_problems if p.level == "error"]
+        if cfg.stream:
+            problems += check_streaming(info)
+        raise_on_errors(problems, where)
+        if spec is not None:
+            self.seen.add(info, where)
+        algo = info.get("speculative_algorithm")
+        return {"url": url, "version": info.get("version"), "model_path": info.get("model_path"),
+                "speculative": algo and (f"{algo}, steps {info.get('speculative_num_steps')}, "
+                                         f"topk {info.get('speculative_eagle_topk')}, draft "
+                                         f"tokens {info.get('speculative_num_draft_tokens')}"),
+                "label": label(info) if spec else None, "layers": layers, "info": info,
+                "preflight": [f"{role} server: {p}" for p in problems]}
 
 
-def _server(cfg: BenchmarkConfig, role: str, draft_dir: Path, stage_dir: Path):
+def _server(cfg: BenchmarkConfig, role: str, spec: SpecServer | None, draft_dir: Path,
+            stage_dir: Path):
     """(url, log path or None) of a running server (attached) or of one launched for the
     block."""
     # Deltas instead of the whole reply in every streamed chunk: the client stays cheap.
     extra = ["--incremental-streaming-output"] if cfg.stream else []
-    if role == "speculative":
+    if spec is not None:
         extra += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
-                  str(draft_dir), *shlex.split(cfg.spec_args)]
+                  str(draft_dir), *shlex.split(spec.spec_args or "")]
     return attached_or_launched(
         cfg, role, lambda: sglang_command(cfg.sglang_python, cfg.launch_args, cfg.port, extra),
-        stage_dir)
+        stage_dir, url=spec.url if spec else None)
 
 
 # ---------------------------------------------------------------- requests

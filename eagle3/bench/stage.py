@@ -34,8 +34,9 @@ from eagle3.bench.faults import (
     BenchStop,
     PartialRun,
 )
+from eagle3.bench.plots import write_plots
 from eagle3.bench.prompts import EVAL_SET, load_prompt_set
-from eagle3.bench.report import report_markdown, summary_rows, write_plots
+from eagle3.bench.report import report_markdown, summary_rows
 from eagle3.core.chat import ChatRenderer
 from eagle3.core.faults import BadRecords
 from eagle3.core.launcher import LaunchError
@@ -137,10 +138,12 @@ def run(cfg: BenchmarkConfig, stage: Stage, check: DraftCheck) -> StageResult:
 
 
 def failed_requests(results: dict, stage_dir: Path) -> int:
-    """Requests that failed for good over every level (server backends), with their list."""
+    """Requests that failed for good over every level and server (server backends), with
+    their list."""
+    roles = ["baseline", *(s["role"] for s in results.get("settings") or [{"role": "speculative"}])]
     n = sum((row.get(role) or {}).get("failed_requests", 0)
             for levels in results.get("prompt_sets", {}).values() if results["backend"] != "hf"
-            for row in levels.values() for role in ("baseline", "speculative"))
+            for row in levels.values() for role in roles)
     if n:
         results["failed_requests_file"] = str(stage_dir / FAILED_FILE)
     return n

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import aiohttp
 
+from eagle3.bench.compare import check_lossless, combine
 from eagle3.bench.config import BenchmarkConfig, DraftCheck
 from eagle3.bench.faults import raise_for_status
 from eagle3.bench.measure import (
     LoadSettings,
     attached_or_launched,
-    check_lossless,
-    combine,
     measure_levels,
     measure_roles,
 )

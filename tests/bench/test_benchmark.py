@@ -13,11 +13,10 @@ import pytest
 from bench_fake_server import FakeBenchServer, fake_output_ids, verify_count
 from bench_helpers import make_tiny_draft
 
+from eagle3.bench.compare import check_lossless, combine
 from eagle3.bench.measure import (
     LoadSettings,
     RequestRecord,
-    check_lossless,
-    combine,
     percentile,
     summarize_level,
 )

@@ -296,10 +296,16 @@ def embedded_sglang_commands(cmd: Command) -> list[Command]:
     out = []
     if kind(cmd) == "script" and cmd.argv[1].endswith("05_benchmark.py") and not any(
             a == "vllm" and b == "--backend" for b, a in zip(cmd.argv, cmd.argv[1:])):
-        for flag, value in zip(cmd.argv, cmd.argv[1:]):
-            if flag in ("--launch-args", "--spec-args"):
-                out.append(Command(f"{cmd.where} ({flag})",
-                                   ["python", "-m", "sglang.launch_server", *shlex.split(value)]))
+        for i, flag in enumerate(cmd.argv):
+            if flag not in ("--launch-args", "--spec-args"):
+                continue
+            values = cmd.argv[i + 1:i + 2]  # --spec-args: one flag string a server, or several
+            while flag == "--spec-args" and i + 1 + len(values) < len(cmd.argv) \
+                    and " " in cmd.argv[i + 1 + len(values)]:
+                values.append(cmd.argv[i + 1 + len(values)])
+            out += [Command(f"{cmd.where} ({flag})",
+                            ["python", "-m", "sglang.launch_server", *shlex.split(value)])
+                    for value in values]
     return out
 
 

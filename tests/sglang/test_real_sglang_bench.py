@@ -15,7 +15,8 @@ import asyncio
 import aiohttp
 import torch
 
-from eagle3.bench.measure import LoadSettings, check_lossless
+from eagle3.bench.compare import check_lossless
+from eagle3.bench.measure import LoadSettings
 from eagle3.bench.preflight import check_baseline_server, check_speculative_server
 from eagle3.bench.prompts import PromptSet
 from eagle3.bench.sglang import measure_server
