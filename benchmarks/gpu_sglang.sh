@@ -41,8 +41,10 @@ collect() {
     [ -n "${OUT:-}" ] || return 0
     mkdir -p "$G/out"
     tar czf "$OUT/results.tgz" -C "$G" out $(cd $G && ls -d run_*.log work/pipeline/logs \
-        work/pipeline/run/*/manifest.json work/pipeline/serve_*/05_benchmark/report.md \
-        2>/dev/null) 2>/dev/null
+        work/pipeline/run/*/manifest.json work/pipeline/run/01c_merged/stats.json \
+        work/pipeline/run/01_prepared/*/heldout.jsonl work/pipeline/run/04_train/metrics.jsonl \
+        work/pipeline/{serve_*,offline}/05_benchmark/{report.md,results.json,manifest.json} \
+        work/logs/*.log 2>/dev/null) 2>/dev/null
     cp "$G"/out/*.json "$OUT/" 2>/dev/null
     # the draft, in 15 MB parts, as many as fit this call (64 MiB and 8 files in all)
     local d=$G/work/pipeline/run/04_train/final
