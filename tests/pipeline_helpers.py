@@ -1,8 +1,8 @@
 """Stages 01 -> 05 on a chat target, a few records: every stage's own `main`, in order.
 
-Sized for CI on 2 cores: 24 of the demo's chat prompts, replies of up to 48 tokens, 3 epochs of
-04 on 512-token rows, 05 on 4 held-out prompts of prompts/chat.jsonl. SmolLM2-135M-Instruct
-(tests/smollm2_helpers.py) takes about two minutes, the tiny qwen2 target seconds.
+Sized for CI on 2 cores: 24 of the demo's chat prompts, replies of up to 48 tokens, a few epochs
+of 04 on 512-token rows, 05 on 4 held-out prompts of prompts/chat.jsonl. SmolLM2-135M-Instruct
+(tests/smollm2_helpers.py) takes about two minutes, the tiny qwen2 target (conftest.py) ~20 s.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ def _stage(stage: str, argv: list) -> None:
         raise AssertionError(f"stage {stage} exited with {rc}: {argv}")
 
 
-def run_chat_pipeline(target: Path, root: Path, draft_vocab: int, threads: int = 1) -> Path:
-    """Every stage into `root/run` (03 keeps `draft_vocab` ids; `threads` intra-op threads for
-    the stages); returns the work directory."""
+def run_chat_pipeline(target: Path, root: Path, draft_vocab: int, threads: int = 1,
+                      epochs: int = 3, lr: float = 1e-3) -> Path:
+    """Every stage into `root/run` (03 keeps `draft_vocab` ids, 04 trains `epochs` at peak
+    `lr`; `threads` intra-op threads for the stages); returns the work directory."""
     data = root / "data"
     data.mkdir(parents=True)
     lines = (ROOT / "datasets/samples/chat_prompts.jsonl").read_text().splitlines()[:PROMPTS]
@@ -47,7 +48,7 @@ def run_chat_pipeline(target: Path, root: Path, draft_vocab: int, threads: int =
         _stage("merge", ["--workdir", w, "--eval-fraction", "0.2"])
         _stage("02b", ["--workdir", w, "--target", target, "--backend", "hf"])
         _stage("03", ["--workdir", w, "--target", target, "--draft-vocab", draft_vocab])
-        _stage("04", ["--workdir", w, "--target", target, "--epochs", "3", "--lr", "1e-3",
+        _stage("04", ["--workdir", w, "--target", target, "--epochs", epochs, "--lr", lr,
                       "--max-seq-len", "512", "--pack-tokens", "512", "--num-workers", "0",
                       "--eval-every", "1000", "--log-every", "10"])
         _stage("05", ["--workdir", w, "--target", target, "--backend", "hf", "--steps", "3",

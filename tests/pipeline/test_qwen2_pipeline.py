@@ -93,15 +93,17 @@ def test_04_trains_a_draft_of_the_targets_shape_that_05_runs_losslessly(qwen2_ru
             cfg["draft_vocab_size"], cfg["rope_theta"]) == (
         64, 4, 4, 16, 128, target["vocab_size"], 256, 1000000.0)
     assert cfg["eagle_config"]["trained_capture_layers"] == [2, 4, 5]
-    metrics = list(read_jsonl(qwen2_run / "04_train/metrics.jsonl"))
-    evals = [m for m in metrics if "eval_loss" in m]
-    assert evals[-1]["eval_loss"][0] < evals[0]["eval_loss"][0] - 1.0  # it learned
+    evals = [m for m in read_jsonl(qwen2_run / "04_train/metrics.jsonl") if "eval_loss" in m]
+    assert evals[-1]["eval_loss"][0] < evals[0]["eval_loss"][0] - 0.5  # it learned
+    assert evals[0]["eval_sim_accept"] == 1.0 and evals[-1]["eval_sim_accept"] > 2.0
+    # 04 scores the target's argmax with the head it loaded: the untied lm_head reproduces the
+    # greedy replies 01b kept (measured 99%); the embedding read as the head would give 20%
+    assert evals[-1]["eval_greedy_share"] > 0.95
     results = json.loads((qwen2_run / "05_benchmark/results.json").read_text())
     r = results["prompt_sets"]["chat"]["steps"]["3"]
     assert r["lossless_mismatches"] == 0
-    # 04's teacher is the untied head: a draft trained on the embedding's argmax instead is
-    # accepted about once a round (measured: 1.0x against 2.x)
-    assert 1.8 <= r["acceptance_length"] <= 4.0 and 0.0 <= r["loop_share"] <= 1.0
+    # the random target's greedy replies loop: acceptance is reported, it measures no quality
+    assert 1.0 <= r["acceptance_length"] <= 4.0 and 0.0 <= r["loop_share"] <= 1.0
     buckets = r["acceptance_by_context"]  # 05 ran with --context-bucket-tokens 64
     assert len(buckets) >= 2 and all(b["to"] - b["from"] == 64 for b in buckets)
     assert sum(b["verify_passes"] for b in buckets) == r["verify_passes"]

@@ -147,3 +147,29 @@ def test_build_target_converts_once_and_refuses_a_folder_of_another_gguf(
     with pytest.raises(PackagedTargetError, match="holds the folder of another GGUF"):
         converter.build_target(target.name, out)
     assert converter.main(["--target", "smollm2-135m", "--out", str(out)]) == 2
+
+
+def test_a_tokenizer_read_as_5_17_reads_it_says_what_the_gguf_says(
+        qwen2_gguf, tmp_path, monkeypatch):
+    """5.17 (the GPU machine's) reads Qwen2.5-Coder's GGUF with eos `<|endoftext|>`, no bos,
+    and writes `eos_token_id` / `model_type: gpt2` into tokenizer_config.json (measured on the
+    real GGUF); the folder must still say the GGUF's tokens."""
+    from transformers import AutoTokenizer
+
+    read = AutoTokenizer.from_pretrained
+
+    def as_5_17(*args, **kwargs):
+        tok = read(*args, **kwargs)
+        if kwargs.get("gguf_file"):
+            tok.eos_token, tok.bos_token, tok.pad_token = "<|endoftext|>", None, None
+            tok.init_kwargs.update(eos_token_id=tok.eos_token_id, model_type="gpt2")
+        return tok
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", as_5_17)
+    path, target = qwen2_gguf
+    converter.convert(path, tmp_path / "t", target)
+    monkeypatch.undo()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "t")
+    assert (tok.eos_token, tok.bos_token, tok.pad_token) == ("<|im_end|>", "[BOS]", "[PAD]")
+    saved = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+    assert "eos_token_id" not in saved and "model_type" not in saved
