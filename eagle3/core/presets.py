@@ -22,7 +22,7 @@ its hidden size is the target's (serving reuses the target's embedding).
     below the ~300 FLOP/byte an H100 needs to be compute-bound), so it costs its bytes: 212 MB in
     bf16, ~0.08 ms. Measured on one H100 (docs/PIPELINE.md, "Qwen2.5-Coder-1.5B-Instruct on one
     H100"): a chain of 7 costs 3.9-4.0 ms a round against 3.6-3.9 for a chain of 3, so four more
-    draft steps cost 0.1-0.4 ms of a round that is ~2x a 2.1 ms plain step.
+    draft steps cost at most 0.4 ms of a round that is ~2x a 2.1 ms plain step.
   - The MLP is 39% of those bytes (41.3M of 106M). MLP 4608 (3 x hidden) would save ~0.015 ms a
     step, ~0.12 ms of a 4.0 ms chain-7 round (3%); at the ~0.53 speedup per accepted token of
     this round cost that equals ~0.1 token of acceptance, less than a draft with half the MLP of
