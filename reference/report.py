@@ -119,7 +119,7 @@ def collect(workdir: Path, profile: str) -> dict:
             results = _read(Path(record["workdir"]) / STAGE_DIRS["05"] / "results.json") or {}
             record["peak_gpu_bytes"] = results.get("peak_gpu_bytes")
     target = (_read(w / "target" / "reference_target.json") or {}).get("summary")
-    converted = _read(w / "target" / "manifest.json")  # eagle3/smollm2/target.py writes it
+    converted = _read(w / "target" / "manifest.json")  # eagle3/targets/gguf.py writes it
     if target is None and converted is not None:
         config = _read(w / "target" / "config.json") or {}
         target = {"converted": converted, "architectures": config.get("architectures"),

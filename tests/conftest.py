@@ -118,3 +118,22 @@ def smollm2_run(smollm2_target_dir, tmp_path_factory) -> Path:
     from smollm2_helpers import run_smollm2_pipeline
 
     return run_smollm2_pipeline(smollm2_target_dir, tmp_path_factory.mktemp("smollm2_run"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_target_dir(tmp_path_factory) -> Path:
+    """The tiny qwen2 target (q/k/v biases, grouped KV heads, untied head; random weights)."""
+    from eagle3.tiny.target import TinyTargetConfig, make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("qwen2") / "target",
+                            TinyTargetConfig(arch="qwen2"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_run(qwen2_target_dir, tmp_path_factory) -> Path:
+    """The tiny qwen2 target through 01 -> 05 as `smollm2_run` (tests/pipeline_helpers.py);
+    04 trains 10 epochs at 3e-3 (9 s): at SmolLM2's 3 at 1e-3 the tiny draft barely moves."""
+    from pipeline_helpers import run_chat_pipeline
+
+    return run_chat_pipeline(qwen2_target_dir, tmp_path_factory.mktemp("qwen2_run"),
+                             draft_vocab=256, epochs=10, lr=3e-3)

@@ -1,59 +1,14 @@
-"""The real-model path of the tests: stages 01 -> 05 on SmolLM2-135M-Instruct, a few records.
-
-Sized for CI on 2 cores (about two minutes): 24 of the demo's chat prompts, replies of up to 48
-tokens, 3 epochs of 04 on 512-token rows, 05 on 4 held-out prompts of prompts/chat.jsonl.
-"""
+"""The real-model path of the tests: stages 01 -> 05 on SmolLM2-135M-Instruct, a few records
+(tests/pipeline_helpers.py; about two minutes on 2 cores)."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = 24
-
-
-def _stage(stage: str, argv: list) -> None:
-    from reference.stages import script_module
-
-    rc = script_module(stage).main([str(a) for a in argv])
-    if rc not in (0, None):
-        raise AssertionError(f"stage {stage} exited with {rc}: {argv}")
+from pipeline_helpers import run_chat_pipeline
 
 
 def run_smollm2_pipeline(target: Path, root: Path) -> Path:
-    """Every stage's own `main`, in order, into `root/run`; returns the work directory."""
-    data = root / "data"
-    data.mkdir(parents=True)
-    lines = (ROOT / "datasets/samples/chat_prompts.jsonl").read_text().splitlines()[:PROMPTS]
-    (data / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    recipe = json.loads((ROOT / "datasets/smollm2_demo.json").read_text())
-    recipe["datasets"][0]["path"] = str(data / "prompts.jsonl")
-    (data / "recipe.json").write_text(json.dumps(recipe))
-    w = root / "run"
-    threads = os.environ.get("OMP_NUM_THREADS")
-    import torch
-
-    torch.set_num_threads(2)  # SmolLM2's GEMMs use both cores; the tiny tests keep one
-    try:
-        _stage("01", ["--recipe", data / "recipe.json", "--workdir", w,
-                                       "--target", target, "--num-workers", "1"])
-        _stage("01b", ["--workdir", w, "--target", target, "--backend", "hf",
-                                          "--max-new-tokens", "48", "--batch-size", "24"])
-        _stage("merge", ["--workdir", w, "--eval-fraction", "0.2"])
-        _stage("02b", ["--workdir", w, "--target", target,
-                                                    "--backend", "hf"])
-        _stage("03", ["--workdir", w, "--target", target,
-                                          "--draft-vocab", "1024"])
-        _stage("04", ["--workdir", w, "--target", target, "--epochs", "3", "--lr", "1e-3",
-                            "--max-seq-len", "512", "--pack-tokens", "512", "--num-workers", "0",
-                            "--eval-every", "1000", "--log-every", "10"])
-        _stage("05", ["--workdir", w, "--target", target, "--backend", "hf",
-                                "--steps", "3", "--max-new-tokens", "24", "--num-prompts", "4",
-                                "--prompt-sets", "chat", "--context-bucket-tokens", "64"])
-    finally:
-        torch.set_num_threads(int(threads) if threads else 1)
-    shutil.copytree(data, w / "test_inputs")
-    return w
+    """Every stage's own `main`, in order, into `root/run`; returns the work directory.
+    SmolLM2's GEMMs use both cores (the tiny tests keep one)."""
+    return run_chat_pipeline(target, root, draft_vocab=1024, threads=2)

@@ -1,7 +1,8 @@
 """Other architectures of the embedded tiny target, next to the DeepSeek-V3 one (target.py).
 
 `--arch` of `python -m eagle3.tiny.target` picks one; the tokenizer and chat template are the same
-Kimi-style ones in every case, so every stage runs unchanged on each.
+Kimi-style ones in every case, so every stage runs unchanged on each (qwen2's tokenizer splits
+text as Qwen2's does, below).
 
 - `deepseek_v3` (target.py): MLA with a 16-wide latent and MoE; transformers and SGLang.
 - `llama`: a dense Llama (head_dim 32, GQA 4/2). vLLM's CPU build serves it with an EAGLE-3
@@ -11,7 +12,12 @@ Kimi-style ones in every case, so every stage runs unchanged on each.
 - `deepseek_v3_vllm`: the DeepSeek-V3 target in the shape vLLM's CPU MLA kernel accepts:
   `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (latent 576, the only size it has; Kimi-K2.5's).
 - `qwen2`: a dense Qwen2 in Qwen2.5-Coder-Instruct's layout: biases on the q/k/v projections
-  (none on o), grouped KV heads (4/2, head_dim 16), an untied head, rope base 1e6.
+  (none on o), grouped KV heads (4/2, head_dim 16), an untied head, rope base 1e6. Its BPE is
+  learned and applied with Qwen2's text split (NFC, Qwen2's pre-tokenizer regex, byte level)
+  and its vocabulary holds Qwen's `<|endoftext|>` and `<|im_start|>` beside the Kimi-style
+  tokens: what a qwen2 GGUF can say of a tokenizer (`tokenizer.ggml.pre` "qwen2"), and what
+  transformers rebuilds a Qwen2Tokenizer as, so that the tiny target survives a round trip
+  through a GGUF (tests/targets/test_gguf.py).
 
 Both DeepSeek-V3 shapes carry `deepseek_v3_serving_fields`: fields real DeepSeek-V3 and
 Kimi-K2.5 configs carry and transformers does not write by default, which the engines read.
@@ -24,6 +30,20 @@ from __future__ import annotations
 import torch
 
 ARCHS = ("deepseek_v3", "llama", "deepseek_v3_vllm", "qwen2")
+# Qwen2's ChatML tokens the Kimi-style set lacks (<|im_end|> it has); transformers 5.17 adds these
+# to every tokenizer it reads from a qwen2 GGUF
+QWEN2_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>"]
+
+
+def qwen2_text_split():
+    """(normalizer, pre-tokenizer) of transformers' Qwen2Tokenizer: NFC, then Qwen2's regex
+    split, then byte level without GPT-2's regex."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    return normalizers.NFC(), pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def build_llama(cfg, vocab_size: int):

@@ -31,10 +31,12 @@ import torch
 
 from eagle3.tiny.archs import (
     ARCHS,
+    QWEN2_SPECIAL_TOKENS,
     build_llama,
     build_qwen2,
     deepseek_v3_serving_fields,
     deepseek_v3_vllm_fields,
+    qwen2_text_split,
 )
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,10 @@ def build_tokenizer(cfg: TinyTargetConfig):
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    special = SPECIAL_TOKENS
+    if cfg.arch == "qwen2":  # Qwen2's text split and ChatML tokens (archs.py)
+        tok.normalizer, tok.pre_tokenizer = qwen2_text_split()
+        special = SPECIAL_TOKENS + QWEN2_SPECIAL_TOKENS
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=cfg.bpe_vocab_size,
@@ -159,7 +165,7 @@ def build_tokenizer(cfg: TinyTargetConfig):
         bos_token="[BOS]",
         eos_token=END_OF_TURN,
         pad_token="[PAD]",
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("[BOS]", "[PAD]")],
+        additional_special_tokens=[t for t in special if t not in ("[BOS]", "[PAD]")],
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast

