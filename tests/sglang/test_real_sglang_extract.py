@@ -1,5 +1,6 @@
-"""Stage 02b against the real patched SGLang server (CPU, float32) on the tiny DeepSeek-V3 of both
-latent widths: `--backend sglang` writes the files `--backend hf` writes, file by file and state
+"""Stage 02b against the real patched SGLang server (CPU, float32) on every tiny target of
+tests/sglang/conftest.py (DeepSeek-V3 of both latent widths through the hook in deepseek_v2.py,
+Llama through llama.py, Qwen2 through qwen2.py): `--backend sglang` writes the files `--backend hf` writes, file by file and state
 by state, for records with ids a rid must escape and lengths from 1 to 130 tokens (up to 17
 chunks of the server's 8-token prefill budget, several requests in flight)."""
 
