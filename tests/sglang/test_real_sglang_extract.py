@@ -15,8 +15,11 @@ from sglang_helpers import assert_bf16_close
 
 
 @pytest.fixture(scope="module")
-def merged(tmp_path_factory):
-    return write_merged(tmp_path_factory.mktemp("merged") / "w", n_train=6, n_eval=2)
+def merged(sglang_server, tmp_path_factory):
+    # token ids drawn from this target's vocabulary (the tiny targets' sizes differ by arch)
+    vocab = json.loads((sglang_server.target / "config.json").read_text())["vocab_size"]
+    return write_merged(tmp_path_factory.mktemp("merged") / "w", n_train=6, n_eval=2,
+                        vocab=vocab)
 
 
 def test_extract_sglang_writes_the_hf_backend_files_state_by_state(sglang_server, merged,
