@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,9 +36,29 @@ LAUNCH_ARGS = ("--device cpu --attention-backend torch_native --dtype float32 "
 # SGLang's CPU platform is on only with SGLANG_USE_CPU_ENGINE=1 (sglang.srt.utils.is_cpu):
 # without it the CPU rope falls through to a vLLM kernel import and the server dies.
 SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(SUPPORT_DIR)}
-# The two latent widths of the tiny DeepSeek-V3 (eagle3/tiny/archs.py): kv_lora_rank 16 (+ 8
-# rope; the default tiny target) and kv_lora_rank 512 + qk_rope_head_dim 64 = 576 (Kimi-K2.5's).
-LATENTS = {"latent16": "deepseek_v3", "latent576": "deepseek_v3_vllm"}
+
+
+@dataclass(frozen=True)
+class ServedTarget:
+    """A tiny target the session serves (eagle3/tiny/archs.py) and what its server log shows."""
+
+    arch: str  # TinyTargetConfig.arch
+    model_class: str  # the SGLang class that serves it, as the dump hook logs it
+    needs_mla_fix: bool  # DeepSeek MLA: the test support's torch_native plugin must load
+
+
+# The targets of tests/sglang/, one server each: the two latent widths of the tiny DeepSeek-V3,
+# kv_lora_rank 16 (+ 8 rope; the default tiny target) and kv_lora_rank 512 + qk_rope_head_dim 64
+# = 576 (Kimi-K2.5's), both hooked in deepseek_v2.py; the tiny Llama (SmolLM2's class, llama.py)
+# and the tiny Qwen2 (Qwen2.5-Coder's layout, qwen2.py). SGLang 0.5.23 serves the last two on
+# CPU with torch_native as it serves any dense model: no config field, env var or plugin.
+TARGETS = {
+    "latent16": ServedTarget("deepseek_v3", "DeepseekV3ForCausalLM", needs_mla_fix=True),
+    "latent576": ServedTarget("deepseek_v3_vllm", "DeepseekV3ForCausalLM", needs_mla_fix=True),
+    "llama": ServedTarget("llama", "LlamaForCausalLM", needs_mla_fix=False),
+    "qwen2": ServedTarget("qwen2", "Qwen2ForCausalLM", needs_mla_fix=False),
+}
+DEEPSEEK_TARGETS = ("latent16", "latent576")
 
 
 def sglang_package_dir(python: str) -> Path:
@@ -97,14 +118,19 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                                msg=lambda m: f"{what}: {m}")
 
 
-def log_problems(log: Path) -> list[str]:
-    """What a server log must not hold: a call into a stand-in, a plugin that failed."""
+def log_problems(log: Path, target: ServedTarget) -> list[str]:
+    """What a server log must not hold (a call into a stand-in, a plugin that failed), and
+    what it must: the dump hook switched on in the target's class, and for a DeepSeek target
+    the MLA fix loaded."""
     text = log.read_text(errors="replace")
     bad = [line for line in text.splitlines()
            if STANDIN_USED_MARK in line or "Failed to execute general plugin" in line
            or "Failed to load plugin" in line]
-    if LOADED_MARK not in text:
+    if target.needs_mla_fix and LOADED_MARK not in text:
         bad.append(f"the MLA fix never loaded ({LOADED_MARK!r} missing)")
+    hooked = f"eagle3 dump: {target.model_class} capturing layers"
+    if hooked not in text:
+        bad.append(f"the dump hook never ran in {target.model_class} ({hooked!r} missing)")
     return bad
 
 

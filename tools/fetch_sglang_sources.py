@@ -4,12 +4,13 @@ For each release, `pip download --no-deps` fetches the wheel (SGLang is never in
 few files below are unzipped into a cache laid out like an installed package:
 
     <cache>/sglang/<version>/sglang/_version.py
-    <cache>/sglang/<version>/sglang/srt/models/deepseek_v2.py        (and kimi_k25.py)
+    <cache>/sglang/<version>/sglang/srt/models/deepseek_v2.py        (qwen2.py, llama.py, kimi_k25.py)
     <cache>/sglang/<version>/sglang/srt/model_executor/forward_batch_info.py
 
 so that `python -m eagle3.extract.patching --sglang-dir <cache>/sglang/<version>` works on it. The cache
 is `$EAGLE3_CACHE_DIR` or `~/.cache/eagle3`; a version folder appears only once complete, and a
-cached version is never fetched again.
+cached version is never fetched again unless it lacks a file of `REQUIRED_FILES` (a cache written
+before that file was hooked): then it is fetched again and replaced.
 
     python tools/fetch_sglang_sources.py 0.5.10 0.5.13 0.5.17 0.5.23
 """
@@ -27,10 +28,16 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# The model files the hook goes into (patches/sglang_dump_hook.toml): every release has them.
+REQUIRED_FILES = (
+    "sglang/srt/models/deepseek_v2.py",
+    "sglang/srt/models/qwen2.py",
+    "sglang/srt/models/llama.py",
+)
 # Files copied out of the wheel; those a release lacks (kimi_k25.py before 0.5.x) are skipped.
 SOURCE_FILES = (
     "sglang/_version.py",
-    "sglang/srt/models/deepseek_v2.py",
+    *REQUIRED_FILES,
     "sglang/srt/models/kimi_k25.py",
     "sglang/srt/model_executor/forward_batch_info.py",
 )
@@ -40,7 +47,7 @@ _PIP_TARGET = ["--only-binary=:all:", "--python-version", "3.11", "--implementat
 
 
 class FetchError(RuntimeError):
-    """A release could not be downloaded or holds no deepseek_v2.py."""
+    """A release could not be downloaded or lacks a model file the hook goes into."""
 
 
 def default_cache_root() -> Path:
@@ -51,7 +58,7 @@ def default_cache_root() -> Path:
 def cached_sources(version: str, cache_root: Path) -> Path | None:
     """The cached folder of a release (holding `sglang/`), or None if not fetched yet."""
     folder = cache_root / "sglang" / version
-    return folder if (folder / "sglang" / "srt" / "models" / "deepseek_v2.py").is_file() else None
+    return folder if all((folder / name).is_file() for name in REQUIRED_FILES) else None
 
 
 def _download_wheel(version: str, into: Path, timeout_s: float) -> Path:
@@ -78,8 +85,9 @@ def _extract(wheel: Path, folder: Path) -> list[str]:
             target = folder / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(archive.read(name))
-    if "sglang/srt/models/deepseek_v2.py" not in taken:
-        raise FetchError(f"{wheel.name} has no sglang/srt/models/deepseek_v2.py")
+    missing = [name for name in REQUIRED_FILES if name not in taken]
+    if missing:
+        raise FetchError(f"{wheel.name} has no {', '.join(missing)}")
     return taken
 
 
@@ -96,6 +104,8 @@ def fetch_sglang_sources(version: str, cache_root: Path | None = None,
         staging = Path(tmp) / "staging"
         taken = _extract(wheel, staging)
         folder = cache_root / "sglang" / version
+        if folder.exists():  # an incomplete (older) cache: moved aside, removed with tmp
+            folder.rename(Path(tmp) / "stale")
         try:
             staging.rename(folder)  # atomic: the folder is complete or absent
         except OSError:

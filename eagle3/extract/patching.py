@@ -1,21 +1,25 @@
-"""Inject, check and revert the hidden-state dump hook in SGLang's `deepseek_v2.py`.
+"""Inject, check and revert the hidden-state dump hook in SGLang's model files.
 
-The hook (hunks in `patches/sglang_deepseek_v2_dump.toml`, explained in `patches/README.md`)
-adds a few lines to `sglang/srt/models/deepseek_v2.py` that call `eagle3/extract/sglang_dump.py` when
-`EAGLE3_DUMP_DIR` is set. Each hunk is inserted as whole lines between marker comments next to
-an exact anchor inside `class DeepseekV2ForCausalLM`, so that:
+The hook (`patches/sglang_dump_hook.toml`, explained in `patches/README.md`) adds a few lines to
+each model file it names, `sglang/srt/models/deepseek_v2.py` (DeepSeek-V3, Kimi-K2.5),
+`qwen2.py` (Qwen2.5) and `llama.py` (Llama, SmolLM2), that call `eagle3/extract/sglang_dump.py`
+when `EAGLE3_DUMP_DIR` is set. Each hunk is inserted as whole lines between marker comments next
+to an exact anchor inside the file's class (`DeepseekV2ForCausalLM`, `Qwen2ForCausalLM`,
+`LlamaForCausalLM`), so that:
 
 - applying is idempotent by content (re-applying the same hook is a no-op; a hook from an older
   version or another checkout is replaced),
-- reverting removes exactly the marked lines and gives back the original file byte for byte,
-- a file whose anchors are missing, or an SGLang older than 0.5.10, is refused with the reason.
+- reverting removes exactly the marked lines and gives back every original file byte for byte,
+- an SGLang older than 0.5.10, or one where any model file lacks an anchor, is refused with the
+  reason, per file, and nothing is written: the files are patched all together or not at all.
 
-A copy of the original file is kept next to it as `deepseek_v2.py.eagle3-orig` while patched.
+A copy of each original file is kept next to it as `<file>.eagle3-orig` while patched.
 
 Usage (no SGLang import; uses the SGLang that this Python would import, or `--sglang-dir`):
 
-    python -m eagle3.extract.patching                  # apply
-    python -m eagle3.extract.patching --check          # exit 0 patched, 1 unpatched/outdated, 2 unsupported
+    python -m eagle3.extract.patching                  # apply to every model file
+    python -m eagle3.extract.patching --check          # exit 0 all patched, 1 unpatched/outdated,
+                                                       # 2 unsupported (or no SGLang)
     python -m eagle3.extract.patching --revert
     python -m eagle3.extract.patching --sglang-dir /path/to/site-packages   # or .../sglang, or a git
                                                                     # checkout (its python/sglang)
@@ -39,22 +43,16 @@ from eagle3.extract import sglang_dump
 
 logger = logging.getLogger(__name__)
 
-HOOK_SPEC_PATH = Path(__file__).resolve().parents[2] / "patches" / "sglang_deepseek_v2_dump.toml"
+HOOK_SPEC_PATH = Path(__file__).resolve().parents[2] / "patches" / "sglang_dump_hook.toml"
 DUMP_MODULE_PATH = Path(sglang_dump.__file__).resolve()
-MODEL_FILE = Path("srt/models/deepseek_v2.py")  # relative to the sglang package directory
+MODELS_DIR = Path("srt/models")  # relative to the sglang package directory
 BACKUP_SUFFIX = ".eagle3-orig"
 _BEGIN = "# >>> eagle3 dump hook: {name} (python -m eagle3.extract.patching --revert removes it) >>>"
 _END = "# <<< eagle3 dump hook: {name} <<<"
 _MARKER_RE = re.compile(r"^[ \t]*# (>>>|<<<) eagle3 dump hook: (\w+)")
-# Features the dump relies on, beyond the hook's anchors: (file, regex, what it means).
-_FEATURES = [
-    ("srt/model_executor/forward_batch_info.py", r"(?m)^\s+rids: ",
-     "ForwardBatch.rids (request ids in the forward pass)"),
-    ("srt/models/deepseek_v2.py", r"def set_eagle3_layers_to_capture\(",
-     "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture"),
-    ("srt/models/kimi_k25.py", r"def set_eagle3_layers_to_capture\(",
-     "Kimi-K2.5 (KimiK25ForConditionalGeneration) aux hidden-state capture"),
-]
+# enable_capture calls it on the hooked model: every hooked class must define it.
+_SET_CAPTURE_RE = re.compile(r"(?m)^    def set_eagle3_layers_to_capture\(")
+_EXIT_CODES = {"patched": 0, "unpatched": 1, "outdated": 1, "unsupported": 2}
 
 
 class PatchError(RuntimeError):
@@ -84,22 +82,66 @@ class Hunk:
 
 
 @dataclass(frozen=True)
+class Requirement:
+    """A feature the dump relies on beyond the anchors: `pattern` must match in `file`."""
+
+    file: str  # relative to the sglang package directory
+    pattern: str  # a regular expression
+    meaning: str  # what it means, for the message
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One hooked model file and its class."""
+
+    path: Path  # relative to the sglang package directory, e.g. srt/models/qwen2.py
+    class_name: str  # whose __init__ and forward are hooked, e.g. Qwen2ForCausalLM
+    requires: tuple[Requirement, ...] = ()  # features needed by this file's targets only
+
+
+@dataclass(frozen=True)
 class HookSpec:
     """The whole hook, as read from patches/."""
 
     min_version: str
-    class_name: str
-    hunks: tuple[Hunk, ...]
+    requires: tuple[Requirement, ...]  # of the whole release
+    model_files: tuple[ModelFile, ...]
+    hunks: tuple[Hunk, ...]  # the same in every model file
+
+
+@dataclass(frozen=True)
+class FileStatus:
+    """What `check_patch` found in one model file."""
+
+    state: str  # "patched" | "outdated" | "unpatched" | "unsupported"
+    model_file: Path
+    reasons: tuple[str, ...] = ()  # why unsupported / outdated
 
 
 @dataclass(frozen=True)
 class PatchStatus:
-    """What `check_patch` found."""
+    """What `check_patch` found in a whole SGLang."""
 
-    state: str  # "patched" | "outdated" | "unpatched" | "unsupported"
-    model_file: Path
     version: str | None  # None when the package carries no version (a source checkout)
-    reasons: tuple[str, ...] = ()  # why unsupported / outdated
+    release_reasons: tuple[str, ...]  # why the whole release is unsupported
+    files: tuple[FileStatus, ...]
+
+    @property
+    def state(self) -> str:
+        """"unsupported" if the release or any file is, "patched" if every file is, else
+        "outdated" if any file holds another hook, else "unpatched"."""
+        states = {f.state for f in self.files}
+        if self.release_reasons or "unsupported" in states:
+            return "unsupported"
+        if states == {"patched"}:
+            return "patched"
+        return "outdated" if "outdated" in states else "unpatched"
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """The release's reasons, then each file's, prefixed with the file's name."""
+        return self.release_reasons + tuple(f"{f.model_file.name}: {reason}"
+                                            for f in self.files for reason in f.reasons)
 
 
 def _read(path: Path) -> str:
@@ -111,6 +153,11 @@ def _write_atomic(path: Path, text: str) -> None:
     """Replace a file's content in one rename, keeping its mode (never a half-written module)."""
     with atomic_writer(path, keep_mode=True) as f:
         f.write(text.encode("utf-8"))
+
+
+def backup_path(model_file: Path) -> Path:
+    """Where the original of a patched model file is kept: `<file>.eagle3-orig`."""
+    return model_file.with_name(model_file.name + BACKUP_SUFFIX)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,10 +178,10 @@ def find_sglang_package(sglang_dir: Path | None = None) -> Path:
                 "sglang checkout>")
         return Path(list(spec.submodule_search_locations)[0]).resolve()
     for candidate in (sglang_dir, sglang_dir / "sglang", sglang_dir / "python" / "sglang"):
-        if (candidate / MODEL_FILE).is_file():
+        if (candidate / MODELS_DIR).is_dir():
             return candidate.resolve()
     raise SglangNotFoundError(
-        f"no {MODEL_FILE} under {sglang_dir}, {sglang_dir}/sglang or {sglang_dir}/python/sglang; "
+        f"no {MODELS_DIR} under {sglang_dir}, {sglang_dir}/sglang or {sglang_dir}/python/sglang; "
         "pass the sglang package directory, its site-packages or an SGLang checkout")
 
 
@@ -157,8 +204,12 @@ def read_sglang_version(package_dir: Path) -> str | None:
 # The hook
 
 
+def _requirements(items: list[dict]) -> tuple[Requirement, ...]:
+    return tuple(Requirement(item["file"], item["pattern"], item["meaning"]) for item in items)
+
+
 def load_hook_spec(path: Path = HOOK_SPEC_PATH, dump_module: Path = DUMP_MODULE_PATH) -> HookSpec:
-    """Read the hunks from patches/ and fill their placeholders."""
+    """Read the model files and hunks from patches/ and fill the hunks' placeholders."""
     raw = tomllib.loads(path.read_text())
     hunks = []
     for item in raw["hunks"]:
@@ -169,7 +220,11 @@ def load_hook_spec(path: Path = HOOK_SPEC_PATH, dump_module: Path = DUMP_MODULE_
         text = item["text"].replace("{env_var}", sglang_dump.ENV_DUMP_DIR)
         text = text.replace("{dump_module}", repr(str(dump_module)))
         hunks.append(Hunk(item["name"], item["where"], text, item.get("anchor", "")))
-    return HookSpec(raw["min_version"], raw["class_name"], tuple(hunks))
+    model_files = tuple(ModelFile(Path(item["path"]), item["class_name"],
+                                  _requirements(item.get("requires", [])))
+                        for item in raw["model_files"])
+    return HookSpec(raw["min_version"], _requirements(raw.get("requires", [])), model_files,
+                    tuple(hunks))
 
 
 def _class_span(lines: list[str], class_name: str) -> tuple[int, int]:
@@ -204,22 +259,28 @@ def _block(hunk: Hunk) -> list[str]:
             + [indent + _END.format(name=hunk.name) + "\n"])
 
 
-def render_patched(original: str, spec: HookSpec) -> str:
-    """The original source with every hunk inserted; raises `UnsupportedSglangError`."""
+def render_patched(original: str, spec: HookSpec, class_name: str) -> str:
+    """The original source with every hunk inserted in `class_name`; raises
+    `UnsupportedSglangError` when the class, an anchor or `set_eagle3_layers_to_capture` is
+    missing."""
     lines = original.splitlines(keepends=True)
-    span = _class_span(lines, spec.class_name)
+    span = _class_span(lines, class_name)
+    if not _SET_CAPTURE_RE.search("".join(lines[span[0]:span[1]])):
+        raise UnsupportedSglangError(f"class {class_name} defines no "
+                                     "set_eagle3_layers_to_capture (no EAGLE-3 aux capture)")
     inserts = []
     for hunk in spec.hunks:
         at = span[0] if hunk.where == "before_class" else _find_anchor(lines, span, hunk,
-                                                                       spec.class_name)
+                                                                       class_name)
         inserts.append((at, _block(hunk)))
     for at, block in sorted(inserts, key=lambda item: item[0], reverse=True):
         lines[at:at] = block
     return "".join(lines)
 
 
-def strip_hook(source: str) -> str:
-    """The source without any hook block; raises `CorruptPatchError` on unbalanced markers."""
+def strip_hook(source: str, name: str = "the model file") -> str:
+    """The source without any hook block; raises `CorruptPatchError` on unbalanced markers
+    (`name`: the file's name, for the message)."""
     kept, open_name = [], None
     for number, line in enumerate(source.splitlines(keepends=True), start=1):
         marker = _MARKER_RE.match(line)
@@ -228,13 +289,13 @@ def strip_hook(source: str) -> str:
         elif marker and marker.group(1) == "<<<" and open_name == marker.group(2):
             open_name = None
         elif marker:
-            raise CorruptPatchError(f"unbalanced eagle3 hook marker on line {number}; restore "
-                                    f"the file from {MODEL_FILE.name}{BACKUP_SUFFIX}")
+            raise CorruptPatchError(f"{name}: unbalanced eagle3 hook marker on line {number}; "
+                                    f"restore the file from {name}{BACKUP_SUFFIX}")
         elif open_name is None:
             kept.append(line)
     if open_name is not None:
-        raise CorruptPatchError(f"eagle3 hook block '{open_name}' is never closed; restore the "
-                                f"file from {MODEL_FILE.name}{BACKUP_SUFFIX}")
+        raise CorruptPatchError(f"{name}: eagle3 hook block '{open_name}' is never closed; "
+                                f"restore the file from {name}{BACKUP_SUFFIX}")
     return "".join(kept)
 
 
@@ -247,8 +308,17 @@ def is_patched(source: str) -> bool:
 # Support, check, apply, revert
 
 
-def unsupported_reasons(package_dir: Path, spec: HookSpec) -> list[str]:
-    """Why this SGLang cannot take the hook; empty when it can."""
+def _missing(package_dir: Path, requires: tuple[Requirement, ...]) -> list[str]:
+    missing = []
+    for req in requires:
+        path = package_dir / req.file
+        if not path.is_file() or not re.search(req.pattern, _read(path)):
+            missing.append(f"missing {req.meaning} (looked for /{req.pattern}/ in {req.file})")
+    return missing
+
+
+def release_reasons(package_dir: Path, spec: HookSpec) -> list[str]:
+    """Why this SGLang release as a whole cannot take the hook; empty when it can."""
     reasons = []
     version = read_sglang_version(package_dir)
     try:
@@ -257,71 +327,80 @@ def unsupported_reasons(package_dir: Path, spec: HookSpec) -> list[str]:
                            f"pip install 'sglang>={spec.min_version}'")
     except InvalidVersion:
         logger.warning("unparsable SGLang version %r; checking features only", version)
-    for rel, pattern, meaning in _FEATURES:
-        path = package_dir / rel
-        if not path.is_file() or not re.search(pattern, _read(path)):
-            reasons.append(f"missing {meaning} (looked for /{pattern}/ in {rel})")
+    return reasons + _missing(package_dir, spec.requires)
+
+
+def check_file(package_dir: Path, spec: HookSpec, model: ModelFile) -> FileStatus:
+    """Whether one model file is patched, unpatched, outdated or cannot take the hook."""
+    path = package_dir / model.path
+    if not path.is_file():
+        return FileStatus("unsupported", path, (f"no {model.path} in this SGLang",))
+    source = _read(path)
+    reasons = _missing(package_dir, model.requires)
     try:
-        render_patched(strip_hook(_read(package_dir / MODEL_FILE)), spec)
-    except UnsupportedSglangError as exc:
+        expected = render_patched(strip_hook(source, path.name), spec, model.class_name)
+    except (UnsupportedSglangError, CorruptPatchError) as exc:
         reasons.append(str(exc))
-    return reasons
+    if reasons:
+        return FileStatus("unsupported", path, tuple(reasons))
+    if not is_patched(source):
+        return FileStatus("unpatched", path)
+    if source != expected:
+        return FileStatus("outdated", path, ("the hook differs from this checkout's; re-apply",))
+    return FileStatus("patched", path)
 
 
 def check_patch(package_dir: Path, spec: HookSpec | None = None) -> PatchStatus:
-    """Report whether the SGLang at `package_dir` is patched, unpatched, outdated or unsupported."""
+    """Report, per model file, whether the SGLang at `package_dir` is patched."""
     spec = spec or load_hook_spec()
-    model_file = package_dir / MODEL_FILE
-    version = read_sglang_version(package_dir)
-    reasons = unsupported_reasons(package_dir, spec)
-    if reasons:
-        return PatchStatus("unsupported", model_file, version, tuple(reasons))
-    source = _read(model_file)
-    if not is_patched(source):
-        return PatchStatus("unpatched", model_file, version)
-    if source != render_patched(strip_hook(source), spec):
-        return PatchStatus("outdated", model_file, version,
-                           ("the hook differs from this checkout's; re-apply",))
-    return PatchStatus("patched", model_file, version)
+    files = tuple(check_file(package_dir, spec, model) for model in spec.model_files)
+    return PatchStatus(read_sglang_version(package_dir),
+                       tuple(release_reasons(package_dir, spec)), files)
 
 
 def apply_patch(package_dir: Path, spec: HookSpec | None = None) -> PatchStatus:
-    """Insert the hook (replacing an older one); a no-op when already patched."""
+    """Insert the hook in every model file (replacing an older one); a no-op for the files
+    already patched. Writes nothing unless every file can take it."""
     spec = spec or load_hook_spec()
     status = check_patch(package_dir, spec)
     if status.state == "unsupported":
         raise UnsupportedSglangError(
             f"SGLang {status.version or '(unknown version)'} at {package_dir} cannot take the "
-            "dump hook: " + "; ".join(status.reasons))
-    if status.state == "patched":
-        logger.info("%s is already patched; nothing to do", status.model_file)
-        return status
-    original = strip_hook(_read(status.model_file))
-    backup = status.model_file.with_name(status.model_file.name + BACKUP_SUFFIX)
-    if not backup.is_file() or _read(backup) != original:
-        _write_atomic(backup, original)
-    _write_atomic(status.model_file, render_patched(original, spec))
-    logger.info("patched %s (SGLang %s); original kept as %s", status.model_file,
-                status.version, backup.name)
+            "dump hook (no file changed): " + "; ".join(status.reasons))
+    for model, found in zip(spec.model_files, status.files, strict=True):
+        if found.state == "patched":
+            logger.info("%s is already patched; nothing to do", found.model_file)
+            continue
+        original = strip_hook(_read(found.model_file), found.model_file.name)
+        backup = backup_path(found.model_file)
+        if not backup.is_file() or _read(backup) != original:
+            _write_atomic(backup, original)
+        _write_atomic(found.model_file, render_patched(original, spec, model.class_name))
+        logger.info("patched %s (%s, SGLang %s); original kept as %s", found.model_file,
+                    model.class_name, status.version, backup.name)
     return check_patch(package_dir, spec)
 
 
-def revert_patch(package_dir: Path) -> bool:
-    """Remove the hook; returns False when there was none. Restores the file byte for byte."""
-    model_file = package_dir / MODEL_FILE
-    source = _read(model_file)
-    backup = model_file.with_name(model_file.name + BACKUP_SUFFIX)
-    if not is_patched(source):
-        logger.info("%s is not patched; nothing to revert", model_file)
-        return False
-    original = strip_hook(source)
-    _write_atomic(model_file, original)
-    if backup.is_file() and _read(backup) == original:
-        backup.unlink()
-    elif backup.is_file():
-        logger.warning("%s differs from the reverted file (SGLang changed?); kept", backup)
-    logger.info("reverted %s", model_file)
-    return True
+def revert_patch(package_dir: Path, spec: HookSpec | None = None) -> list[Path]:
+    """Remove the hook from every model file, restoring each byte for byte; returns the files
+    reverted (empty: none was patched). A file with broken markers stops it before any write."""
+    spec = spec or load_hook_spec()
+    originals = {}
+    for model in spec.model_files:
+        path = package_dir / model.path
+        if path.is_file() and is_patched(source := _read(path)):
+            originals[path] = strip_hook(source, path.name)
+        else:
+            logger.info("%s is not patched; nothing to revert", path)
+    for path, original in originals.items():
+        _write_atomic(path, original)
+        backup = backup_path(path)
+        if backup.is_file() and _read(backup) == original:
+            backup.unlink()
+        elif backup.is_file():
+            logger.warning("%s differs from the reverted file (SGLang changed?); kept", backup)
+        logger.info("reverted %s", path)
+    return list(originals)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,8 +415,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "SGLang this Python would import)")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--check", action="store_true", help="report; change nothing")
-    action.add_argument("--revert", action="store_true", help="remove the hook")
+    action.add_argument("--revert", action="store_true", help="remove the hook from every file")
     return parser.parse_args(argv)
+
+
+def _log_status(package_dir: Path, status: PatchStatus) -> None:
+    release = "".join(f"\n  - {reason}" for reason in status.release_reasons)
+    logger.info("SGLang %s at %s: %s%s", status.version or "(unknown version)", package_dir,
+                status.state, release)
+    for found in status.files:
+        detail = "".join(f"\n      - {reason}" for reason in found.reasons)
+        logger.info("  %s: %s%s", found.model_file.relative_to(package_dir), found.state, detail)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,14 +436,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.revert:
             revert_patch(package_dir)
             return 0
-        status = check_patch(package_dir) if args.check else apply_patch(package_dir)
+        status = check_patch(package_dir)
+        if not args.check and status.state != "unsupported":
+            status = apply_patch(package_dir)
     except PatchError as exc:
         logger.error("%s", exc)
         return 2
-    detail = "".join(f"\n  - {reason}" for reason in status.reasons)
-    logger.info("SGLang %s at %s: %s%s", status.version or "(unknown version)", package_dir,
-                status.state, detail)
-    return {"patched": 0, "unpatched": 1, "outdated": 1}.get(status.state, 2)
+    _log_status(package_dir, status)
+    if status.state == "unsupported" and not args.check:
+        logger.error("this SGLang cannot take the dump hook (reasons above); no file changed")
+    return _EXIT_CODES[status.state]
 
 
 if __name__ == "__main__":

@@ -140,9 +140,12 @@ def default_capture_layers(num_layers: int) -> list[int]:
 def capture_argument(capture_layers: Sequence[int]) -> list[int]:
     """The ids to pass to `set_eagle3_layers_to_capture` to capture `capture_layers`.
 
-    SGLang 0.5.10-0.5.12 always add 1 to the ids; from 0.5.13 they add 1 only when the first id
-    is 1. Passing `capture - 1` with a first capture of 2 (first id 1) therefore gives the same
-    captures on every supported version: `[1, 29, 57]` captures `[2, 30, 58]`.
+    The rule is per model file and release (read from their sources, 0.5.10-0.5.23):
+    `DeepseekV2ForCausalLM` adds 1 to every id in 0.5.10-0.5.12 and, from 0.5.13, only when the
+    first id is 1; `Qwen2ForCausalLM` and `LlamaForCausalLM` add 1 to every id in every release.
+    Passing `capture - 1` with a first capture of 2 (first id 1) therefore gives the same
+    captures in every hooked class on every supported version: `[1, 29, 57]` captures
+    `[2, 30, 58]`, `[1, 13, 24]` captures `[2, 14, 25]` (28 layers, Qwen2.5-Coder-1.5B).
     """
     if not capture_layers or capture_layers[0] != 2:
         raise CaptureSetupError(
@@ -153,25 +156,28 @@ def capture_argument(capture_layers: Sequence[int]) -> list[int]:
 
 
 def enable_capture(model: Any) -> list[int]:
-    """Switch on aux capture of `default_capture_layers` on a `DeepseekV2ForCausalLM`.
+    """Switch on aux capture of `default_capture_layers` on a hooked model: a
+    `DeepseekV2ForCausalLM`, `Qwen2ForCausalLM` or `LlamaForCausalLM` (or a subclass).
 
     Called from the patched `__init__`; raises `CaptureSetupError` (stopping the server) when
-    SGLang did not end up capturing exactly those layers, e.g. under pipeline parallelism.
+    SGLang did not end up capturing exactly those layers, e.g. under pipeline parallelism or in
+    a release whose id rule differs from `capture_argument`'s.
     """
     capture_layers = default_capture_layers(int(model.config.num_hidden_layers))
     model.set_eagle3_layers_to_capture(capture_argument(capture_layers))
     actual = list(getattr(model.model, "layers_to_capture", []))
     if not getattr(model, "capture_aux_hidden_states", False) or actual != capture_layers:
         raise CaptureSetupError(
-            f"asked SGLang to capture layers {capture_layers} but it captures {actual}; "
+            f"asked SGLang's {type(model).__name__} to capture layers {capture_layers} but it "
+            f"captures {actual}; "
             "the dump needs plain tensor parallelism on one pipeline stage (drop --pp-size) "
             "and a supported SGLang (python -m eagle3.extract.patching --check)"
         )
     config = server_config()
     if config.tp_rank == 0:
-        logger.info("eagle3 dump: capturing layers %s of %d, writing to %s (rid prefix %r)",
-                    capture_layers, model.config.num_hidden_layers, config.dump_dir,
-                    config.rid_prefix)
+        logger.info("eagle3 dump: %s capturing layers %s of %d, writing to %s (rid prefix %r)",
+                    type(model).__name__, capture_layers, model.config.num_hidden_layers,
+                    config.dump_dir, config.rid_prefix)
     return capture_layers
 
 

@@ -1,5 +1,6 @@
-"""Stage 05's SGLang client against the real SGLang server (CPU, float32) without a draft, on the
-tiny DeepSeek-V3 of both latent widths: the server's flags pass the baseline preflight, the
+"""Stage 05's SGLang client against the real SGLang server (CPU, float32) without a draft, on every
+tiny target of tests/sglang/conftest.py (DeepSeek-V3 of both latent widths, Llama, Qwen2): the
+server's flags pass the baseline preflight, the
 streamed answers parse, the figures are sane (tokens/s > 0, TTFT measured, no acceptance for a
 server that decodes without a draft, with the reason), the outputs are lossless (equal at every
 concurrency, and equal to transformers' greedy tokens).

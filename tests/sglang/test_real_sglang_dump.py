@@ -1,8 +1,9 @@
-"""The project's dump hook inside the real SGLang server (CPU, float32), on the tiny DeepSeek-V3
-of both latent widths: every dump equals the HF hidden states state by state, also for prompts
-prefilled in several chunks and for requests that share a prefill pass; the patch, applied and
-reverted by its CLI, leaves SGLang's files byte-identical. SGLang release and flags:
-tests/sglang_helpers.py; servers: tests/sglang/conftest.py."""
+"""The project's dump hook inside the real SGLang server (CPU, float32), on every tiny target: the
+DeepSeek-V3 of both latent widths (deepseek_v2.py), the Llama (llama.py) and the Qwen2 (qwen2.py).
+Every dump equals the HF hidden states state by state, also for prompts prefilled in several
+chunks and for requests that share a prefill pass; the patch, applied and reverted by its CLI,
+leaves SGLang's files byte-identical. SGLang release and flags: tests/sglang_helpers.py; servers:
+tests/sglang/conftest.py."""
 
 from __future__ import annotations
 
@@ -39,13 +40,17 @@ def hf_model(sglang_server):
 
 
 def test_patch_cli_reverts_leaving_sglang_byte_identical(patched_sglang):
-    package, model_file = patched_sglang.package_dir, "srt/models/deepseek_v2.py"
+    package, model_files = patched_sglang.package_dir, patched_sglang.model_files
+    assert set(model_files) == {"srt/models/deepseek_v2.py", "srt/models/qwen2.py",
+                                "srt/models/llama.py"}
     # patched by the session fixture (`python -m eagle3.extract.patching --sglang-dir ...`)
-    assert file_sha256(package / model_file) != patched_sglang.pristine[model_file]
+    for rel in model_files:
+        assert file_sha256(package / rel) != patched_sglang.pristine[rel], rel
     assert patch_cli(package, "--revert").returncode == 0
     try:
-        assert tree_sha256(package) == patched_sglang.pristine  # the backup is gone too
-        assert patched_sglang.pristine[model_file] == recorded_sha256(package, model_file)
+        assert tree_sha256(package) == patched_sglang.pristine  # the backups are gone too
+        for rel in model_files:
+            assert patched_sglang.pristine[rel] == recorded_sha256(package, rel), rel
         assert patch_cli(package, "--check").returncode == 1  # unpatched
     finally:
         assert patch_cli(package).returncode == 0  # the servers of this session need it
@@ -55,9 +60,9 @@ def test_dumps_equal_hf_states_when_prompts_are_chunked_and_share_passes(sglang_
                                                                          hf_model):
     info = get_json(sglang_server.url, "/server_info")
     assert info["chunked_prefill_size"] == 8 and info["dtype"] == "float32"
-    gen = torch.Generator().manual_seed(len(sglang_server.latent))
+    gen = torch.Generator().manual_seed(len(sglang_server.name))
     prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in LENGTHS]
-    rids = [f"eagle3-dump-{sglang_server.latent}-{i}" for i in range(len(prompts))]
+    rids = [f"eagle3-dump-{sglang_server.name}-{i}" for i in range(len(prompts))]
     log_start = sglang_server.log.stat().st_size
     with ThreadPoolExecutor(len(prompts)) as pool:  # all in flight at once
         answers = list(pool.map(lambda a: post_generate(sglang_server.url, {
@@ -85,5 +90,6 @@ def test_dumps_equal_hf_states_when_prompts_are_chunked_and_share_passes(sglang_
     assert max(tokens for _, tokens in passes) <= 8 and len(passes) >= sum(LENGTHS) / 8, passes
 
 
-def test_server_calls_no_stand_in_and_runs_the_mla_fix(sglang_server):
-    assert log_problems(sglang_server.log) == []
+def test_server_calls_no_stand_in_and_runs_the_hook_in_its_class(sglang_server):
+    # and, for a DeepSeek target, the MLA fix (sglang_helpers.log_problems)
+    assert log_problems(sglang_server.log, sglang_server.served) == []

@@ -1,5 +1,6 @@
-"""Stage 02b against the real patched SGLang server (CPU, float32) on the tiny DeepSeek-V3 of both
-latent widths: `--backend sglang` writes the files `--backend hf` writes, file by file and state
+"""Stage 02b against the real patched SGLang server (CPU, float32) on every tiny target of
+tests/sglang/conftest.py (DeepSeek-V3 of both latent widths through the hook in deepseek_v2.py,
+Llama through llama.py, Qwen2 through qwen2.py): `--backend sglang` writes the files `--backend hf` writes, file by file and state
 by state, for records with ids a rid must escape and lengths from 1 to 130 tokens (up to 17
 chunks of the server's 8-token prefill budget, several requests in flight)."""
 
@@ -14,8 +15,11 @@ from sglang_helpers import assert_bf16_close
 
 
 @pytest.fixture(scope="module")
-def merged(tmp_path_factory):
-    return write_merged(tmp_path_factory.mktemp("merged") / "w", n_train=6, n_eval=2)
+def merged(sglang_server, tmp_path_factory):
+    # token ids drawn from this target's vocabulary (the tiny targets' sizes differ by arch)
+    vocab = json.loads((sglang_server.target / "config.json").read_text())["vocab_size"]
+    return write_merged(tmp_path_factory.mktemp("merged") / "w", n_train=6, n_eval=2,
+                        vocab=vocab)
 
 
 def test_extract_sglang_writes_the_hf_backend_files_state_by_state(sglang_server, merged,

@@ -6,7 +6,8 @@ token the same way; its `/server_info` and `/model_info` keys exist in the real 
 
 from __future__ import annotations
 
-from sglang_helpers import get_json, post_generate
+import pytest
+from sglang_helpers import DEEPSEEK_TARGETS, get_json, post_generate
 
 from eagle3.testing.fake_sglang import FakeSGLang
 
@@ -28,6 +29,8 @@ def _assert_fake_within_real(fake: dict, real: dict, where: str) -> None:
             assert type(value) is type(real[key]), (where, key, value, real[key])
 
 
+# The answer's shape does not depend on the model: the DeepSeek servers suffice.
+@pytest.mark.sglang_targets(*DEEPSEEK_TARGETS)
 def test_fake_sglang_answers_generate_in_the_real_servers_shape(sglang_server):
     prompt = [3, 5, 100, 200, 7]
     real_plain = post_generate(sglang_server.url, {"input_ids": prompt, "rid": "shape-0",

@@ -1,5 +1,5 @@
-"""Stage 01b against the real SGLang server (CPU, float32) on the tiny DeepSeek-V3 of both latent
-widths: every record is the prompt our template rendered followed by exactly the tokens
+"""Stage 01b against the real SGLang server (CPU, float32) on every tiny target of
+tests/sglang/conftest.py (DeepSeek-V3 of both latent widths, Llama, Qwen2): every record is the prompt our template rendered followed by exactly the tokens
 transformers' greedy decoding produces, the end-of-turn token included when it stopped."""
 
 from __future__ import annotations
