@@ -113,6 +113,7 @@ _fp8 = _sibling("core", "fp8")
 # The file format's names, for the hook's callers (02b's client, the tests).
 DUMP_FORMAT, DUMP_VERSION, DUMP_DTYPE = _file.DUMP_FORMAT, _file.DUMP_VERSION, _file.DUMP_DTYPE
 DUMP_KEYS, LAYOUT_KEYS, LAYOUTS = _file.DUMP_KEYS, _file.LAYOUT_KEYS, _file.LAYOUTS
+HEADER_MAX_BYTES, SUFFIX, LEGACY_SUFFIX = _file.HEADER_MAX_BYTES, _file.SUFFIX, _file.LEGACY_SUFFIX
 DumpError, OldDumpError = _file.DumpError, _file.OldDumpError
 dump_file_path, legacy_dump_path = _file.dump_file_path, _file.legacy_dump_path
 load_dump, save_dump, peek_num_tokens = _file.load_dump, _file.save_dump, _file.peek_num_tokens
