@@ -1,14 +1,20 @@
 """Fake SGLang forward passes for the dump hook's tests (no SGLang needed): a ForwardBatch of
 several requests' chunks, with CUDA-graph padding rows of garbage, and the reference states each
-request's dump must hold."""
+request's dump must hold; and a process running the hook that exits or is killed mid-file."""
 
 from __future__ import annotations
 
 import enum
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
 H = 8  # hidden size of the fake target
 CAPTURE = [2, 30, 58]
 
@@ -92,3 +98,65 @@ def prefill_schedule(totals: dict[str, int], chunk: int, budget: int) -> list[li
             left -= rows
         passes.append(chunks)
     return passes
+
+
+_WRITER_CHILD = """
+import json, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path[:0] = [{root!r}, {tests!r}]
+import safetensors.torch
+from dump_helpers import CAPTURE, forward_pass
+from eagle3.extract import sglang_dump
+
+mode, dump_dir, prompts = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+config = sglang_dump.DumpConfig(dump_dir, 0)
+save, count = safetensors.torch.save_file, [0]
+
+
+def save_file(tensors, path, metadata=None):
+    count[0] += 1
+    if mode == "exit":
+        time.sleep(0.2)  # a slow disk: the queue is still full at exit
+    elif count[0] == 3:  # killed mid-file: half a file in the temp, then the kill
+        save(tensors, path, metadata=metadata)
+        Path(path).write_bytes(Path(path).read_bytes()[:100])
+        sys.stdout.write("writing\\n")  # one write: the main thread prints too
+        sys.stdout.flush()
+        time.sleep(120)  # killed long before
+    save(tensors, path, metadata=metadata)
+
+
+safetensors.torch.save_file = save_file
+dump_dir.mkdir(exist_ok=True)
+model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=CAPTURE))
+sglang_dump.server_config = lambda: config
+for rid, n in prompts.items():
+    sglang_dump.maybe_dump(model, *forward_pass([(rid, 0, n)]))
+sys.stdout.write("queued\\n")
+sys.stdout.flush()
+"""
+
+
+def start_writer_child(dump_dir: Path, mode: str, prompts: dict[str, int]) -> subprocess.Popen:
+    """A process running the real dump hook on one pass per prompt of `prompts` ({rid: tokens},
+    reference states), its disk slowed: `mode` "exit" ends the process normally with its queue
+    full; "kill" hangs in the middle of the third file (after printing "writing"), to be
+    killed. stdout is a pipe."""
+    script = dump_dir.parent / "writer_child.py"
+    script.write_text(_WRITER_CHILD.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    return subprocess.Popen([sys.executable, str(script), mode, str(dump_dir),
+                             json.dumps(prompts)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def kill_writer_mid_file(dump_dir: Path, prompts: dict[str, int]) -> int:
+    """Run `start_writer_child(..., "kill")` and SIGKILL it mid-file; returns its pid."""
+    child = start_writer_child(dump_dir, "kill", prompts)
+    try:
+        while "writing" not in child.stdout.readline():
+            assert child.poll() is None, "the writer process ended before its third file"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    return child.pid

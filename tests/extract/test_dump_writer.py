@@ -10,23 +10,27 @@ import functools
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from dump_helpers import CAPTURE, forward_pass, prefill_schedule, reference, reference_ids
+from dump_helpers import (
+    CAPTURE,
+    forward_pass,
+    kill_writer_mid_file,
+    prefill_schedule,
+    reference,
+    reference_ids,
+    start_writer_child,
+)
 
 from eagle3.extract import dump_writer, dumps, sglang_dump
 from eagle3.extract.sglang_dump import DumpConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 # 30 prompts, up to 5 chunks of 6 rows, 14 rows a pass: chunks of one rid in consecutive passes
 TOTALS = {f"eagle3-r{i}": 1 + (7 * i) % 29 for i in range(30)}
+PROMPTS = {f"eagle3-p{i}": 3 + i for i in range(5)}  # the server processes' requests
 
 
 @pytest.fixture(autouse=True)
@@ -169,68 +173,20 @@ def test_client_listing_skips_stats_and_temp_files_and_takes_older_dumps(tmp_pat
                                                          "other-d.safetensors"]
 
 
-_CHILD = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
-    from types import SimpleNamespace
-    import safetensors.torch
-    sys.path[:0] = [{root!r}, {tests!r}]
-    from dump_helpers import CAPTURE, forward_pass
-    from eagle3.extract import sglang_dump
-
-    mode, dump_dir = sys.argv[1], Path(sys.argv[2])
-    config = sglang_dump.DumpConfig(dump_dir, 0)
-    save, count = safetensors.torch.save_file, [0]
-
-    def save_file(tensors, path, metadata=None):
-        count[0] += 1
-        if mode == "exit":
-            time.sleep(0.2)  # a slow disk: the queue is still full at exit
-        elif count[0] == 3:  # killed mid-file: half a file in the temp, then the kill
-            save(tensors, path, metadata=metadata)
-            Path(path).write_bytes(Path(path).read_bytes()[:100])
-            print("writing", flush=True)
-            time.sleep(600)
-        save(tensors, path, metadata=metadata)
-
-    safetensors.torch.save_file = save_file
-    dump_dir.mkdir(exist_ok=True)
-    model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=CAPTURE))
-    sglang_dump.server_config = lambda: config
-    for i in range(5):
-        sglang_dump.maybe_dump(model, *forward_pass([(f"eagle3-p{{i}}", 0, 3 + i)]))
-    print("queued", flush=True)
-""")
-
-
-def _child(tmp_path: Path, mode: str) -> subprocess.Popen:
-    script = tmp_path / "child.py"
-    script.write_text(_CHILD.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    return subprocess.Popen([sys.executable, str(script), mode, str(tmp_path / "dump")],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
-
-
 def test_queued_dumps_are_written_when_the_server_process_exits_normally(tmp_path):
-    child = _child(tmp_path, "exit")
+    child = start_writer_child(tmp_path / "dump", "exit", PROMPTS)
     out, _ = child.communicate(timeout=120)
     assert child.returncode == 0 and "queued" in out
-    assert_dumps_equal_reference(tmp_path / "dump", {f"eagle3-p{i}": 3 + i for i in range(5)})
+    assert_dumps_equal_reference(tmp_path / "dump", PROMPTS)
     assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == [
         f"eagle3-p{i}.safetensors" for i in range(5)]  # no temp file either
 
 
 def test_writer_killed_mid_file_leaves_no_file_a_client_takes_for_a_dump(tmp_path):
-    child = _child(tmp_path, "kill")
-    try:
-        assert child.stdout.readline().strip() in ("queued", "writing")
-        while child.stdout.readline().strip() != "writing":
-            pass
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
     dump_dir = tmp_path / "dump"
+    pid = kill_writer_mid_file(dump_dir, PROMPTS)
     names = sorted(p.name for p in dump_dir.iterdir())
-    assert names == [".eagle3-p2.safetensors.%d.tmp" % child.pid, "eagle3-p0.safetensors",
+    assert names == [f".eagle3-p2.safetensors.{pid}.tmp", "eagle3-p0.safetensors",
                      "eagle3-p1.safetensors"]
     assert [p.name for p in dumps.dump_files(dump_dir, "eagle3-")] == names[1:]
     assert sglang_dump.peek_num_tokens(dump_dir / names[0]) is None
