@@ -26,44 +26,32 @@ rid does not start with the rid prefix (`EAGLE3_DUMP_RID_PREFIX`, default `"eagl
 ignored, and so are health checks (rid prefix `HEALTH_CHECK`) whatever the prefix: SGLang's
 startup warmup sends no rid and gets a random hex one, so it never matches the default prefix.
 
-Off the forward path. `maybe_dump` only starts copies and queues one job per request; the
-writer thread (`dump_writer.DumpWriter`, one per server, FIFO) writes them. On a GPU each
-request's rows (input_ids, aux, final; its real rows only) are copied into pinned host memory on
-the dump's own CUDA stream, which first waits for the work queued on the current stream; the
-source tensors are marked used by that stream (`record_stream`), so the caching allocator keeps
-their memory until the copies are done, and each job carries the event that says so. With
-`EAGLE3_DUMP_LAYOUT=fp8` the aux rows of the pass are quantized on that stream before the copy
-(half the bytes over PCIe and to disk; transient GPU memory of half the pass's aux states). On a
-CPU (the tests, SGLang's CPU device) the copies are plain and the writer quantizes. The writer
-waits for a job's event, then writes its file (`dump_file.save_dump`: temp file, rename).
-Back-pressure: while the jobs not yet written hold more than `EAGLE3_DUMP_MAX_PENDING_MB` of host
-memory (default 2048; pinned memory may reach twice that, as the host allocator rounds up),
-`maybe_dump` waits: the server slows to the writer's speed, logs that it waited, and loses no dump.
-With `EAGLE3_DUMP_STATS_FILE` the writer keeps its counters there as JSON (queue depth, blocked
-seconds, bytes and bytes per token). At interpreter exit the queue is written out (atexit);
-SGLang's own shutdown kills its scheduler processes (SIGKILL), which loses the jobs still queued
-(as a crash does): a killed writer leaves at most its temp files, never a partial dump, and 02b
-asks again for a dump that never came.
+Off the forward path (patches/README.md, "What is written when"). `maybe_dump` only starts
+copies and queues one job per request; one writer thread (`dump_writer.DumpWriter`, FIFO) writes
+them. On a GPU a request's real rows (input_ids, aux, final) are copied into pinned host memory
+on the dump's own CUDA stream, which first waits for the work queued on the current stream; the
+sources are marked used by that stream (`record_stream`) so the caching allocator keeps their
+memory until the copies are done, and the job carries the event that says so. With
+`EAGLE3_DUMP_LAYOUT=fp8` the pass's aux rows are quantized on that stream first (transient GPU
+memory: half the pass's aux states). On a CPU (the tests, SGLang's CPU device) the copies are
+plain and the writer quantizes. While the queued jobs hold more than `EAGLE3_DUMP_MAX_PENDING_MB`
+of host memory, `maybe_dump` waits (logged): the server slows, no dump is lost. The queue is
+written out at interpreter exit; a SIGKILL (SGLang's own shutdown of its schedulers) leaves at
+most a temp file, never a partial dump.
 
-Dump file, format version 3 (`dump_file.py` defines it): `dump_file_path(dump_dir, rid)`, that
-is `<dump_dir>/<rid>.safetensors`, tensors `input_ids` int64 [T], `aux_hidden_states` [T, K*H]
-(bf16, or e4m3 with `aux_hidden_states_scale` float32 [T, K] in the fp8 layout),
-`final_hidden_states` bf16 [T, H], and metadata (format, version, rid, num_tokens,
-capture_layers, layout). Capture index `i` is the residual stream entering decoder layer `i`
-(the output of layer `i-1`, Hugging Face `output_hidden_states[i]`). Load with `load_dump(path)`.
-`input_ids` is the dump's identity: a client compares them with the prompt it sent under the
-rid and refuses a dump of another prompt.
+Dump file, format version 3 (`dump_file.py`): `dump_file_path(dump_dir, rid)` =
+`<dump_dir>/<rid>.safetensors`, tensors `input_ids` int64 [T], `aux_hidden_states` [T, K*H] (bf16,
+or e4m3 with `aux_hidden_states_scale` float32 [T, K]), `final_hidden_states` bf16 [T, H], and
+metadata (format, version, rid, num_tokens, capture_layers, layout). Capture index `i` is the
+residual stream entering decoder layer `i` (Hugging Face `output_hidden_states[i]`).
+`input_ids` is the dump's identity: a client compares them with the prompt it sent under the rid.
 
-When a dump is there. The file appears once the writer wrote it: shortly after SGLang answers
-the request (the job was queued before the answer, behind at most the queue's bound). Chunked
-prefill: a prompt prefilled in several passes arrives as several chunks of the same rid;
-`extend_prefix_lens_cpu[j]` is where the chunk starts in the prompt. The first chunk (prefix 0)
-writes the file; each later chunk must start exactly where the file ends: it is appended and the
-file rewritten, so the file holds the prompt's first `num_tokens` tokens until the last chunk is
-written (a client waits for `num_tokens` to reach its prompt's length). A chunk that does not
-fit (its start is not the file's length, for example a radix-cache hit or a chunk that ran in a
-MIXED pass) removes the file and is logged as an error, so that an incomplete dump is never left
-behind.
+Chunked prefill: a prompt prefilled in several passes arrives as several chunks of the same rid,
+`extend_prefix_lens_cpu[j]` being where the chunk starts. The first chunk (prefix 0) writes the
+file; each later one must start where the file ends and is appended (the file rewritten), so the
+file holds the prompt's first `num_tokens` tokens until its last chunk is written. A chunk that
+does not fit (a radix-cache hit, a chunk run in a MIXED pass) removes the file and is logged as
+an error: an incomplete dump is never left behind.
 
 Server flags the dump needs (see `patches/README.md`): `--disable-radix-cache`,
 `--skip-server-warmup`, no `--enable-mixed-chunk`, no pipeline parallelism, no prefill CUDA graph
