@@ -187,10 +187,12 @@ class DumpWriter:
                     s.jobs_failed += 1
                 s.queue_jobs, s.queue_bytes = s.queue_jobs - 1, s.queue_bytes - nbytes
                 s.bytes_per_token = s.job_bytes / s.tokens if s.tokens else 0.0
-                self._busy = 0
                 drained = not self._queue
-                self._cond.notify_all()
+                self._cond.notify_all()  # room in the queue
             self._maybe_report(drained)
+            with self._cond:  # done once reported: after flush() the stats file is current
+                self._busy = 0
+                self._cond.notify_all()
 
     def _maybe_report(self, drained: bool) -> None:
         now = time.monotonic()

@@ -143,13 +143,9 @@ def test_writer_keeps_its_counters_in_the_stats_file_when_asked(tmp_path):
     config = DumpConfig(tmp_path / "dump", 0, stats_file=stats_file)
     writer = sglang_dump.writer_for(config)
     run_passes(config, writer)
-    assert writer.flush(timeout_s=60)
-    deadline = time.monotonic() + 10  # written by the thread once the queue ran empty
-    while time.monotonic() < deadline:
-        stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
-        if stats.get("jobs_written") == stats.get("jobs_submitted", -1):
-            break
-        time.sleep(0.01)
+    assert writer.flush(timeout_s=60)  # the thread wrote the file when the queue ran empty
+    stats = json.loads(stats_file.read_text())
+    assert stats["jobs_written"] == stats["jobs_submitted"] == writer.snapshot()["jobs_written"]
     assert stats["tokens"] == sum(TOTALS.values()) and stats["queue_jobs"] == 0
     assert stats["pid"] == os.getpid() and stats["bytes_per_token"] == 8 + 2 * 8 + 2 * 3 * 8
     assert stats["max_pending_bytes"] == 2048 << 20
