@@ -4,8 +4,9 @@
 Three measurements on the same directory, with realistic widths (H = 7168, Kimi-K2.5):
 
 - raw disk: the same bytes as the bf16 output, one file per sample, write + fsync (the floor);
-- dump write: `eagle3.extract.sglang_dump.dump_forward_pass` on prefill passes of several requests
-  (bf16 states already on the CPU: the GPU->CPU copy is not measured), i.e. the server's cost;
+- dump write: `eagle3.extract.sglang_dump.dump_forward_pass` on prefill passes of several requests,
+  written in the caller's thread (bf16 states already on the CPU: the GPU->CPU copy is not
+  measured), i.e. the work of the server's dump writer thread;
 - client: `eagle3.extract.dumps.convert_dump` (load, check, split, pack bf16 or fp8, save with
   fsync, delete the dump) per sample, alone and with a pool of threads as the client runs it.
 

@@ -19,7 +19,10 @@ out of time still brings back what finished:
          576-wide latent, vocabulary 163840, `--load-format dummy`; 8 layers, 8 experts all
          active, so each layer computes what one of Kimi's does per token) served by the patched
          SGLang twice side by side, dump on and dump off: prefill tokens/s of each (the patch's cost),
-         02b's end-to-end tokens/s on the dump server; then the same target with an MLA draft
+         the dump writer's counters (queue depth, seconds the server waited, bytes per token,
+         time to drain its queue after the prefill), 02b's end-to-end tokens/s on the dump
+         server; then the dump-on server alone with EAGLE3_DUMP_LAYOUT=fp8 (prefill, writer,
+         02b --dtype fp8); then the same target with an MLA draft
          (Eagle3DeepseekV2ForCausalLM, random weights) under EAGLE3: its first answers, or the
          exact error
 
@@ -94,13 +97,15 @@ def run(cmd: list[str], log_path: Path, check: bool = True) -> float:
 
 
 def server(args, model: Path, port: int, flags: list[str], log_name: str,
-           dump_dir: Path | None = None) -> LaunchedServer:
-    """A launched SGLang server (its own site on PYTHONPATH; the dump on when `dump_dir`)."""
+           dump_dir: Path | None = None, dump_env: dict | None = None) -> LaunchedServer:
+    """A launched SGLang server (its own site on PYTHONPATH; the dump on when `dump_dir`, with
+    the dump's other variables in `dump_env`)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
            "--port", str(port), *COMMON, *flags]
     env = {"PYTHONPATH": args.sglang_site}
     if dump_dir is not None:
         env["EAGLE3_DUMP_DIR"] = str(dump_dir)
+        env.update(dump_env or {})
     return LaunchedServer(cmd, args.work / "logs" / log_name, f"http://127.0.0.1:{port}",
                           ready_timeout_s=900, env=env)
 
@@ -281,6 +286,58 @@ def mla_draft(target: Path, out: Path) -> Path:
     return out
 
 
+def writer_stats(stats_file: Path, tokens: int, since: float, timeout_s: float = 300.0) -> dict:
+    """The dump writer's counters (EAGLE3_DUMP_STATS_FILE) once its queue ran empty after
+    `tokens` dumped tokens in all (or after `since`, a time.time(), when some failed); `drain_s`:
+    how long that took from now. Never raises: a missing or stale file is reported as such."""
+    t0, stats = time.time(), None
+    while time.time() - t0 < timeout_s:
+        try:
+            stats = json.loads(stats_file.read_text())
+        except (OSError, ValueError):  # not written yet, or read mid-replace
+            stats = None
+        if stats and stats["jobs_written"] + stats["jobs_failed"] == stats["jobs_submitted"] \
+                and (stats["tokens"] >= tokens or stats["time"] >= since):
+            return {"drain_s": time.time() - t0, "drained": True, "expected_tokens": tokens,
+                    **stats}
+        time.sleep(0.05)
+    return {"drain_s": time.time() - t0, "drained": False, "expected_tokens": tokens,
+            **(stats or {"error": f"no stats in {stats_file} after {timeout_s:.0f} s"})}
+
+
+def prefill_dumped(out: dict, name: str, s: LaunchedServer, dump_dir: Path, stats_file: Path,
+                   dumped: int) -> int:
+    """`prefill_<name>_2048` on a dump server, then its writer's queue drained: `writer_<name>`
+    (counters, drain time) and `prefill_<name>_2048_drained_tokens_per_s` (prefill tokens over
+    the prefill and the drain). `dumped`: tokens this server dumped before; returns the new
+    count (the 8 warm-up requests are dumped too)."""
+    run = out[f"prefill_{name}_2048"] = asyncio.run(prefill(s.url, 64, 2048, 8, 1000, "eagle3-"))
+    dumped += run["prompt_tokens"] + 8 * 2048
+    stats = out[f"writer_{name}"] = writer_stats(stats_file, dumped, time.time())
+    out[f"prefill_{name}_2048_drained_tokens_per_s"] = run["prompt_tokens"] / (
+        run["seconds"] + stats["drain_s"])
+    return dumped
+
+
+def run_02b(w: Path, target: Path, s: LaunchedServer, dump_dir: Path, name: str,
+            *extra: str) -> dict:
+    """02b --backend sglang on 96 records of 2,048 tokens against `s` (`extra`: more flags):
+    its seconds, tokens/s, log tail and bytes on disk, keys prefixed `name`."""
+    work = w / f"x{name}"
+    tokens = write_merged(work, [2048] * 96, 1000)
+    seconds = run([sys.executable, "02b_extract_hidden_states_sglang.py", "--workdir", str(work),
+                   "--target", str(target), "--backend", "sglang", "--server-url", s.url,
+                   "--dump-dir", str(dump_dir), "--concurrency", "16", *extra],
+                  w / f"{name}.log", check=False)
+    du = subprocess.run(["du", "-sb", str(work / "02b_hidden_states")],
+                        capture_output=True, text=True).stdout.split()
+    shutil.rmtree(work / "02b_hidden_states", ignore_errors=True)
+    return {f"{name}_tokens": tokens, f"{name}_s": seconds,
+            f"{name}_tokens_per_s": tokens / seconds,
+            f"{name}_log_tail": (w / f"{name}.log").read_text(errors="replace")[-3000:],
+            f"{name}_bytes": int(du[0]) if du else None}
+
+
 def phase_kimi(args) -> None:
     w = args.work / "kimi"
     target = kimi_target(w)
@@ -288,32 +345,31 @@ def phase_kimi(args) -> None:
     flags = [*DUMP_FLAGS, "--load-format", "dummy", "--mem-fraction-static", "0.4",
              "--context-length", "8192", "--chunked-prefill-size", "8192",
              "--cuda-graph-max-bs", "8"]
-    on = server(args, target, 30030, flags, "kimi_dump_on.log", dump_dir)
+    stats_file = w / "writer_stats.json"  # outside the dump dir, which is emptied between runs
+    stats_file.unlink(missing_ok=True)
+    on = server(args, target, 30030, flags, "kimi_dump_on.log", dump_dir,
+                {"EAGLE3_DUMP_STATS_FILE": str(stats_file)})
     off = server(args, target, 30031, flags, "kimi_dump_off.log")
     out: dict = {"config": KIMI, "flags": flags}
+    dumped = 0
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, w / "x02b" / "02b_hidden_states", ignore_errors=True)
         out["server_start_s"] = started(stack, on, off)
         # the same 64 prompts of 2,048 tokens off, on (dumped: the default rid prefix), off again
         for name, s in (("dump_off", off), ("dump_on", on), ("dump_off_again", off)):
-            out[f"prefill_{name}_2048"] = asyncio.run(prefill(s.url, 64, 2048, 8, 1000,
-                                                              "eagle3-"))
+            if s is on:  # and its writer's queue written out before the dumps are removed
+                dumped = prefill_dumped(out, name, s, dump_dir, stats_file, dumped)
+            else:
+                out[f"prefill_{name}_2048"] = asyncio.run(prefill(s.url, 64, 2048, 8, 1000,
+                                                                  "eagle3-"))
             shutil.rmtree(dump_dir, ignore_errors=True)
             dump_dir.mkdir(exist_ok=True)
             write_json(args, "kimi", out)
-        tokens = write_merged(w / "x02b", [2048] * 96, 1000)
-        out["02b_tokens"] = tokens
-        out["02b_s"] = run([sys.executable, "02b_extract_hidden_states_sglang.py", "--workdir",
-                            str(w / "x02b"), "--target", str(target), "--backend", "sglang",
-                            "--server-url", on.url, "--dump-dir", str(dump_dir),
-                            "--concurrency", "16"],
-                           w / "02b.log", check=False)
-        out["02b_tokens_per_s"] = tokens / out["02b_s"]
-        out["02b_log_tail"] = (w / "02b.log").read_text(errors="replace")[-3000:]
-        du = subprocess.run(["du", "-sb", str(w / "x02b" / "02b_hidden_states")],
-                            capture_output=True, text=True).stdout.split()
-        out["02b_bytes"] = int(du[0]) if du else None
+        out.update(run_02b(w, target, on, dump_dir, "02b"))
+        out["writer_dump_on_after_02b"] = writer_stats(stats_file, dumped + out["02b_tokens"],
+                                                       time.time())
         write_json(args, "kimi", out)
+    phase_kimi_fp8(args, w, target, flags, out)
     draft = mla_draft(target, w / "mla_draft")
     spec = server(args, target, 30032, ["--load-format", "dummy", "--mem-fraction-static",
                                         "0.7", "--context-length", "8192",
@@ -328,10 +384,34 @@ def phase_kimi(args) -> None:
     except Exception as e:  # the exact error is the result
         out["mla_draft"] = {"served": False, "error": str(e)[-4000:]}
     write_json(args, "kimi", out)
-    for f in ("kimi_dump_on.log", "kimi_mla_draft.log"):
+    for f in ("kimi_dump_on.log", "kimi_dump_on_fp8.log", "kimi_mla_draft.log"):
         p = args.work / "logs" / f
         if p.exists():
             (args.out / f).write_text(p.read_text(errors="replace")[-20000:])
+
+
+def phase_kimi_fp8(args, w: Path, target: Path, flags: list[str], out: dict) -> None:
+    """The dump-on server again with EAGLE3_DUMP_LAYOUT=fp8 (same flags, alone on the GPU):
+    `prefill_dump_on_fp8_2048`, `writer_dump_on_fp8`, and 02b --dtype fp8 against it
+    (`02b_fp8_*`). A failure is recorded in `dump_on_fp8_error`, never raised."""
+    dump_dir, stats_file = w / "dumps_fp8", w / "writer_stats_fp8.json"
+    stats_file.unlink(missing_ok=True)
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    fp8 = server(args, target, 30033, flags, "kimi_dump_on_fp8.log", dump_dir,
+                 {"EAGLE3_DUMP_STATS_FILE": str(stats_file), "EAGLE3_DUMP_LAYOUT": "fp8"})
+    try:
+        with ExitStack() as stack:
+            out["server_fp8_start_s"] = started(stack, fp8)
+            dumped = prefill_dumped(out, "dump_on_fp8", fp8, dump_dir, stats_file, 0)
+            shutil.rmtree(dump_dir, ignore_errors=True)
+            dump_dir.mkdir(exist_ok=True)
+            write_json(args, "kimi", out)
+            out.update(run_02b(w, target, fp8, dump_dir, "02b_fp8", "--dtype", "fp8"))
+            out["writer_dump_on_fp8_after_02b"] = writer_stats(
+                stats_file, dumped + out["02b_fp8_tokens"], time.time())
+    except Exception as e:  # the bf16 results stand; the error is the fp8 result
+        out["dump_on_fp8_error"] = f"{type(e).__name__}: {e}"[-4000:]
+    write_json(args, "kimi", out)
 
 
 def phase_pipeline(args) -> None:

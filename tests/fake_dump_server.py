@@ -5,7 +5,8 @@ SGLang does: each forward pass packs several requests up to a token budget, a pr
 than `chunk_size` is prefilled over several passes (interleaved with other requests, each chunk
 at its prefix offset), and passes carry CUDA-graph padding rows. Every pass goes through the
 real `eagle3.extract.sglang_dump.maybe_dump` with a fake `ForwardBatch`, so the dump files are the ones
-the patched server writes. The states of a prompt are the tiny target's own transformers forward
+the patched server writes, by the same writer thread (after the answer, as in the real server);
+`dump_layout` is the server's `EAGLE3_DUMP_LAYOUT`. The states of a prompt are the tiny target's own transformers forward
 of that prompt alone: aux = `output_hidden_states[i]` at the capture indices, final = the
 post-norm last hidden state.
 
@@ -17,7 +18,9 @@ than the ones announced; `restart()` takes the server down and up. And lies: the
 another prompt of the same length under the request's rid (a server that mixed up requests),
 states in an integer dtype, dumps of the older format (a server running an older dump module),
 a FIFO, a directory or a bloated file at the dump's path, an answer naming another request, an
-HTML page for `/server_info`.
+HTML page for `/server_info`. With any fault set, the server waits for its writer before it
+answers, so that what a fault does to a dump happens to the whole file, and no dump lands after
+the client gave up on the attempt.
 """
 
 from __future__ import annotations
@@ -72,10 +75,10 @@ class Faults:
     # instead of the prompt sent (same length: the answer's prompt_tokens is right)
     int_states: set[str] = field(default_factory=set)  # the dump's states cast to int16
     dump_entry: dict[str, str] = field(default_factory=dict)  # at the dump's path instead of
-    # the dump: "fifo" (no writer), "directory", or "bloated" (the dump, its aux states a view
-    # of a storage 1 MB longer, which torch.save writes whole)
+    # the dump: "fifo" (no writer), "directory", or "bloated" (the dump followed by 1 MB)
     answer_id: set[str] = field(default_factory=set)  # meta_info.id names another request
-    old_format: bool = False  # every dump rewritten as format version 1 (no input_ids)
+    old_format: bool = False  # every dump rewritten as format version 1 (torch.save at
+    # <rid>.pt, no input_ids), as a server running an older dump module writes it
     server_info_html: bool = False  # /server_info answers 200 with a web page
 
 
@@ -94,9 +97,10 @@ class FakeDumpServer:
     def __init__(self, model, dump_dir: Path, capture_layers: list[int], *,
                  state_layers: list[int] | None = None, chunk_size: int = 48,
                  max_prefill_tokens: int = 128, rid_prefix: str = "eagle3-",
-                 info: dict | None = None, faults: Faults | None = None):
+                 info: dict | None = None, faults: Faults | None = None,
+                 dump_layout: str = "bf16"):
         self.model = model
-        self.dump_config = sglang_dump.DumpConfig(Path(dump_dir), 0, rid_prefix)
+        self.dump_config = sglang_dump.DumpConfig(Path(dump_dir), 0, rid_prefix, dump_layout)
         self.capture_layers = list(capture_layers)  # what the server announces (and dumps as)
         self.state_layers = list(state_layers or capture_layers)  # what it really captures
         self.chunk_size, self.max_prefill_tokens = chunk_size, max_prefill_tokens
@@ -177,6 +181,7 @@ class FakeDumpServer:
             req.future.cancel()
         await self._runner.cleanup()
         self._runner = None
+        sglang_dump.close_writer(self.dump_config)  # a normal stop: the queue is written out
         if self._saved_config is not None:
             sglang_dump.server_config = self._saved_config
             self._saved_config = None
@@ -221,6 +226,8 @@ class FakeDumpServer:
         self._queue.append(req)
         self._wake.set()
         await req.future
+        if self.faults != Faults():  # what a fault does must happen to the whole dump
+            sglang_dump.writer_for(self.dump_config).flush()
         self._after_answer(rid)
         extra = 1 if self._hit(self.faults.wrong_prompt_tokens, rid) else 0
         return web.json_response({
@@ -329,16 +336,19 @@ class FakeDumpServer:
         if self._hit(self.faults.short_rows_dump, rid) and path.exists():
             dump = sglang_dump.load_dump(path)  # num_tokens still says T
             dump["aux_hidden_states"] = dump["aux_hidden_states"][:-1].clone()
-            torch.save(dump, path)
+            sglang_dump.save_dump(dump, path)
         if base in self.faults.int_states and path.exists():
             dump = sglang_dump.load_dump(path)
             for key in ("aux_hidden_states", "final_hidden_states"):
-                dump[key] = (dump[key] * 100).to(torch.int16)
-            torch.save(dump, path)
+                dump[key] = (dump[key].float() * 100).to(torch.int16)
+            sglang_dump.save_dump(dump, path)
         if self.faults.old_format and path.exists():
             dump = sglang_dump.load_dump(path)
-            dump.pop("input_ids", None)
-            torch.save({**dump, "version": 1}, path)
+            for key in ("input_ids", "layout", "aux_hidden_states_scale"):
+                dump.pop(key, None)
+            torch.save({**dump, "version": 1},
+                       sglang_dump.legacy_dump_path(self.dump_config.dump_dir, rid))
+            path.unlink()
         self._replace_dump(path, self.faults.dump_entry.get(base))
 
     @staticmethod
@@ -347,12 +357,8 @@ class FakeDumpServer:
         if kind is None or not path.exists():
             return
         if kind == "bloated":
-            dump = sglang_dump.load_dump(path)
-            aux = dump["aux_hidden_states"]
-            storage = torch.zeros(aux.numel() + (1 << 19), dtype=aux.dtype)  # + 1 MB
-            storage[:aux.numel()] = aux.flatten()
-            dump["aux_hidden_states"] = storage[:aux.numel()].view(aux.shape)
-            torch.save(dump, path)
+            with open(path, "ab") as f:
+                f.write(bytes(1 << 20))
             return
         path.unlink()
         if kind == "fifo":

@@ -4,7 +4,8 @@ A file holds `input_ids [T]`, `loss_mask [T]`, `hidden_states`: the three aux ca
 final post-norm state, each `[T, H]`, and `meta`. With fp8 storage the aux tensors are float8
 e4m3 with a per-token float32 scale in `hidden_states_scale` (value = fp8.float() * scale); the
 final state stays bf16 (it is the lm_head's input, the training target). Both backends of stage
-02b quantize from the bf16 value, so a file does not depend on which backend wrote it.
+02b quantize from the bf16 value with `eagle3.core.fp8.quantize_fp8`, which the SGLang dump hook's
+fp8 layout uses too, so a file does not depend on which backend or which dump layout it came from.
 
 Capture index i is the residual stream entering decoder layer i: transformers'
 `output_hidden_states[i]` (index 0 is the embedding output). The final state is the one the
@@ -42,12 +43,12 @@ from pathlib import Path
 import torch
 
 from eagle3.core.faults import InputFileError
+from eagle3.core.fp8 import Fp8Rows, quantize_fp8
 from eagle3.core.stage import STAGE_DIRS, atomic_writer, file_sha256, read_manifest
 
 log = logging.getLogger(__name__)
 
 FILES_PER_SHARD = 1000
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 DTYPES = ("bf16", "fp8", "fp8-all", "fp8-topk")  # the layouts; "fp8" = fp8 aux, bf16 final
 TOPK_MAX_DRAFT_VOCAB = 32768  # draft ids are stored as int16
 FILE_OVERHEAD_BYTES = 5120  # zip headers, pickle and meta; measured 2.8-3.6 KB, fp8-topk 4.7
@@ -98,31 +99,14 @@ def estimate_bytes(num_tokens: int, num_files: int, hidden_size: int, dtype: str
             + num_files * FILE_OVERHEAD_BYTES)
 
 
-def quantize_fp8(x_TH: torch.Tensor, block_rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token scaled float8 e4m3: returns (fp8 [T, H], float32 scale [T]).
-
-    scale = max |x| / 448 per row, value = fp8 * scale. Works through `block_rows` rows at a
-    time, so the float32 temporaries stay in cache (a third faster than whole-tensor ops, same
-    bits) and a long sample costs no extra [T, H] float32 copies.
-    """
-    fp8_TH = torch.empty(x_TH.shape, dtype=torch.float8_e4m3fn, device=x_TH.device)
-    scale_T = torch.empty(x_TH.shape[0], dtype=torch.float32, device=x_TH.device)
-    for start in range(0, x_TH.shape[0], block_rows):
-        x = x_TH[start:start + block_rows].float()
-        s = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
-        scale_T[start:start + block_rows] = s
-        fp8_TH[start:start + block_rows] = x.div_(s[:, None]).to(torch.float8_e4m3fn)
-    return fp8_TH, scale_T
-
-
-def _owned_bf16(x_TH: torch.Tensor) -> torch.Tensor:
-    """`x` in bf16 with row-major strides, in a storage of its own. torch.save writes a
+def _owned(x_TH: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`x` in `dtype` with row-major strides, in a storage of its own. torch.save writes a
     tensor's whole storage (a row slice would drag its batch into every file) and its strides
     (a `[1, H]` column slice counts as contiguous but keeps the stride of its parent)."""
-    x = x_TH.to(torch.bfloat16)
+    x = x_TH.to(dtype)
     if (x.stride() != torch.empty(x.shape, device="meta").stride()
             or x.untyped_storage().nbytes() != x.numel() * x.element_size()):
-        x = torch.empty(x.shape, dtype=torch.bfloat16).copy_(x)
+        x = torch.empty(x.shape, dtype=dtype).copy_(x)
     return x
 
 
@@ -135,9 +119,13 @@ def stored_value(x_TH: torch.Tensor, dtype: str) -> torch.Tensor:
     return x.float()
 
 
-def pack(input_ids, loss_mask, aux: list[torch.Tensor], final: torch.Tensor, meta: dict,
-         dtype: str = "bf16", teacher=None) -> dict:
+def pack(input_ids, loss_mask, aux: list[torch.Tensor | Fp8Rows], final: torch.Tensor,
+         meta: dict, dtype: str = "bf16", teacher=None) -> dict:
     """The dict stored in one file; `aux` are the three captures `[T, H]`, `final` `[T, H]`.
+
+    An aux capture may come quantized already (`Fp8Rows`, from an fp8 dump of the SGLang hook,
+    made by the same `eagle3.core.fp8.quantize_fp8`): it is stored as it is, which gives the
+    bytes its bf16 value would give; such captures need an fp8 layout.
 
     `teacher` (fp8-topk only): an object with `topk(final_TH) -> dict` of `teacher_ids`,
     `teacher_logprobs`, `target_top` and `meta() -> dict` (eagle3.extract.teacher.TeacherHead).
@@ -146,8 +134,11 @@ def pack(input_ids, loss_mask, aux: list[torch.Tensor], final: torch.Tensor, met
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     if (teacher is not None) != (dtype == "fp8-topk"):
         raise ValueError(f"layout {dtype!r}: a teacher head is needed by fp8-topk and only by it")
-    final = _owned_bf16(final)
-    hidden = [_owned_bf16(t) for t in aux] + ([] if teacher is not None else [final])
+    if dtype == "bf16" and any(isinstance(t, Fp8Rows) for t in aux):
+        raise ValueError("fp8 aux states cannot be stored in the bf16 layout")
+    final = _owned(final)
+    hidden = [t if isinstance(t, Fp8Rows) else _owned(t) for t in aux]
+    hidden += [] if teacher is not None else [final]
     data = {
         "input_ids": torch.as_tensor(input_ids, dtype=torch.int64),
         "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64),
@@ -160,7 +151,11 @@ def pack(input_ids, loss_mask, aux: list[torch.Tensor], final: torch.Tensor, met
         scales = []
         n_fp8 = 4 if dtype == "fp8-all" else 3
         for i in range(n_fp8):  # from the bf16 value: the same bytes whatever the source
-            hidden[i], s = quantize_fp8(hidden[i])
+            if isinstance(hidden[i], Fp8Rows):
+                hidden[i], s = (_owned(hidden[i].values_TH, torch.float8_e4m3fn),
+                                _owned(hidden[i].scale_T, torch.float32))
+            else:
+                hidden[i], s = quantize_fp8(hidden[i])
             scales.append(s)
         data["hidden_states_scale"] = scales + [None] * (len(hidden) - n_fp8)
     if teacher is not None:  # from the bf16 final state, as training from a bf16 file sees it

@@ -27,6 +27,7 @@ import torch
 
 from eagle3.core import hidden_states as hs
 from eagle3.core.faults import BadRecords
+from eagle3.core.fp8 import Fp8Rows
 from eagle3.core.records import tokenized_problem
 
 log = logging.getLogger(__name__)
@@ -89,14 +90,24 @@ def _nonfinite(t: torch.Tensor) -> int:
     return int(t.numel() - torch.isfinite(t).sum())
 
 
-def pack_checked(rec: dict, aux: list[torch.Tensor], final: torch.Tensor, meta: dict,
+def pack_checked(rec: dict, aux: list[torch.Tensor | Fp8Rows], final: torch.Tensor, meta: dict,
                  dtype: str, teacher=None) -> dict:
     """`hs.pack` of a record whose states are finite; raises BadStates naming the record, the
-    layer and the count of bad values otherwise. `aux` `[T, H]` x 3, `final` `[T, H]`."""
+    layer and the count of bad values otherwise. `aux` `[T, H]` x 3 (or already quantized, from
+    an fp8 dump), `final` `[T, H]`."""
     T = len(rec["input_ids"])
     layers = meta["capture_layers"]
     names = [f"capture layer {layer}" for layer in layers] + ["final state"]
     for name, t in zip(names, [*aux, final]):
+        if isinstance(t, Fp8Rows):
+            # A row holding NaN or Inf has a NaN or Inf scale (max |x| propagates both): the
+            # bad tokens are counted, their values are gone in e4m3.
+            assert t.scale_T.shape[0] == T, (rec["id"], name, tuple(t.scale_T.shape), T)
+            if bad := _nonfinite(t.scale_T):
+                raise BadStates(f"non-finite states: record {rec['id']}: {name} has NaN/Inf "
+                                f"values in {bad:,} of {T:,} tokens (a bf16 overflow in the "
+                                "target?)")
+            continue
         # An internal invariant: the backends slice T rows (sglang checks the dump first).
         assert t.shape[0] == T, (rec["id"], name, tuple(t.shape), T)
         if bad := _nonfinite(t):

@@ -1,6 +1,13 @@
 """One record's trip through the dump server, client side: its request id, the checks of the
 answer and of the dump file, and the conversion of the dump into the record's file (the rules
-are in eagle3/extract/sglang.py's docstring; the dump format in eagle3/extract/sglang_dump.py).
+are in eagle3/extract/sglang.py's docstring; the dump format, version 3, in
+eagle3/extract/dump_file.py).
+
+A dump comes in one of two layouts (the server's `EAGLE3_DUMP_LAYOUT`): `bf16` aux states, which
+every `--dtype` is made from, or `fp8` aux states quantized by the server with the quantizer
+02b itself uses (eagle3/core/fp8.py), which the fp8 layouts (`--dtype fp8`, `fp8-all`,
+`fp8-topk`) store as they are: the same file bytes as from a bf16 dump. An fp8 dump cannot give
+`--dtype bf16` back: that stops the run, naming the variable and the flag.
 """
 
 from __future__ import annotations
@@ -16,14 +23,16 @@ from pathlib import Path
 import torch
 
 from eagle3.core import hidden_states as hs
+from eagle3.core.fp8 import Fp8Rows
 from eagle3.extract import sglang_dump
 from eagle3.extract.checks import pack_checked
 from eagle3.extract.writer import ExtractError, check_disk, record_meta
 
 log = logging.getLogger(__name__)
 
-# A dump's zip headers and pickle, whatever its length: 4 tensors, a few scalars (~2 KB).
-DUMP_OVERHEAD_BYTES = 64 << 10
+# A dump's safetensors header, whatever its length: 4 tensors and their metadata (under 2 KB;
+# the reader refuses more than HEADER_MAX_BYTES), plus the 8 bytes saying its length.
+DUMP_OVERHEAD_BYTES = sglang_dump.HEADER_MAX_BYTES + 8
 
 
 class SampleError(Exception):
@@ -72,7 +81,8 @@ def check_answer(answer: dict, rid: str, num_tokens: int) -> None:
 
 
 def max_dump_bytes(num_tokens: int, expected: Expected) -> int:
-    """The most bytes a dump of `num_tokens` tokens can hold (bf16 states, int64 ids, headers)."""
+    """The most bytes a dump of `num_tokens` tokens can hold: the bf16 layout (int64 ids, bf16
+    states; the fp8 layout holds fewer) and its header."""
     per_token = 2 * (len(expected.capture_layers) + 1) * expected.hidden_size + 8
     return num_tokens * per_token + DUMP_OVERHEAD_BYTES
 
@@ -81,7 +91,7 @@ def read_dump(path: Path, num_tokens: int, expected: Expected) -> dict:
     """Load the dump at `path` as the dump of a `num_tokens`-token prompt: only a regular file
     (a directory or a pipe is refused; opened without blocking, so a FIFO never hangs the
     client) no larger than such a dump can be (a tensor viewing a larger storage makes
-    torch.save write the storage whole: the client never loads more than a dump holds).
+    a writer may pad: the client never loads more than a dump holds).
     SampleError for a file to request again; ExtractError for a dump of an older format (the
     server runs an older dump module: every dump would be)."""
     try:
@@ -104,7 +114,7 @@ def read_dump(path: Path, num_tokens: int, expected: Expected) -> dict:
             return sglang_dump.load_dump(f, path)
         except sglang_dump.OldDumpError as e:
             raise ExtractError(f"{e}, then re-run this command (the stage resumes)") from None
-        except Exception as e:  # a torn zip, a wrong pickle, not a dump: all per-sample
+        except Exception as e:  # a torn file, a bad header, not a dump: all per-sample
             raise SampleError(f"unreadable dump: {path}: {e!r}"[:500]) from e
 
 
@@ -115,14 +125,20 @@ def _shape(value) -> str:
 
 
 def _check_fields(dump: dict, path: Path) -> None:
-    """The keys and the types of a dump's fields (format version 2, sglang_dump.DUMP_KEYS)."""
-    missing = [k for k in sglang_dump.DUMP_KEYS if k not in dump]
+    """The keys and the types of a dump's fields (format version 3: sglang_dump.DUMP_KEYS and
+    what its layout adds, LAYOUT_KEYS)."""
+    layout = dump.get("layout")
+    if layout not in sglang_dump.LAYOUTS:
+        raise SampleError(f"bad dump: {path} has layout {str(layout)[:50]!r}, not one of "
+                          f"{list(sglang_dump.LAYOUTS)}")
+    keys = (*sglang_dump.DUMP_KEYS, *sglang_dump.LAYOUT_KEYS[layout])
+    missing = [k for k in keys if k not in dump]
     if missing:
         raise SampleError(f"unreadable dump: {path} has no {missing}")
-    extra = sorted(str(k) for k in dump if k not in sglang_dump.DUMP_KEYS)
+    extra = sorted(str(k) for k in dump if k not in keys)
     if extra:
         raise SampleError(f"bad dump: {path} has keys {extra[:5]} outside the dump format "
-                          f"{list(sglang_dump.DUMP_KEYS)}")
+                          f"({layout} layout: {list(keys)})")
     layers = dump["capture_layers"]
     if not isinstance(dump["rid"], str) or not _is_int(dump["num_tokens"]) or \
             not isinstance(layers, list) or not all(_is_int(x) for x in layers):
@@ -133,12 +149,18 @@ def _check_fields(dump: dict, path: Path) -> None:
     if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (aux, final)):
         raise SampleError(f"short dump: {path} holds aux {_shape(aux)} and final "
                           f"{_shape(final)}, expected two [T, width] tensors")
-    if aux.dtype != sglang_dump.DUMP_DTYPE or final.dtype != sglang_dump.DUMP_DTYPE:
+    aux_dtype = torch.float8_e4m3fn if layout == "fp8" else sglang_dump.DUMP_DTYPE
+    if aux.dtype != aux_dtype or final.dtype != sglang_dump.DUMP_DTYPE:
         raise SampleError(f"bad dump: {path} holds aux {aux.dtype} and final {final.dtype} "
-                          f"states; the dump stores {sglang_dump.DUMP_DTYPE}, the dtype the "
-                          "target computes in")
+                          f"states; the {layout} layout stores aux {aux_dtype} and final "
+                          f"{sglang_dump.DUMP_DTYPE}, the dtype the target computes in")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
         raise SampleError(f"bad dump: {path} holds input_ids {_shape(ids)}, expected int64 [T]")
+    scale = dump.get("aux_hidden_states_scale")
+    if layout == "fp8" and (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
+                            or scale.dim() != 2):
+        raise SampleError(f"bad dump: {path} holds aux_hidden_states_scale {_shape(scale)}, "
+                          "expected float32 [T, K]")
 
 
 def check_dump(dump: dict, rid: str, input_ids: list[int], expected: Expected,
@@ -163,11 +185,15 @@ def check_dump(dump: dict, rid: str, input_ids: list[int], expected: Expected,
     if dump["rid"] != rid:
         raise SampleError(f"wrong dump: {path} holds rid {dump['rid']!r}, expected {rid!r}")
     ids = dump["input_ids"]
+    scale = dump.get("aux_hidden_states_scale")
+    scale_shape = None if scale is None else tuple(scale.shape)
     if dump["num_tokens"] != num_tokens or num_tokens != aux.shape[0] or \
-            num_tokens != final.shape[0] or num_tokens != ids.shape[0]:
+            num_tokens != final.shape[0] or num_tokens != ids.shape[0] or \
+            scale_shape not in (None, (num_tokens, K)):
+        scales = "" if scale is None else f", scales {list(scale.shape)}"
         raise SampleError(f"short dump: {path} holds {dump['num_tokens']} tokens "
-                          f"({aux.shape[0]}/{final.shape[0]} rows, {ids.shape[0]} ids), the "
-                          f"record {num_tokens}")
+                          f"({aux.shape[0]}/{final.shape[0]} rows, {ids.shape[0]} ids{scales}), "
+                          f"the record {num_tokens}")
     differ = (ids != torch.as_tensor(input_ids, dtype=torch.int64)).nonzero()
     if len(differ):
         raise SampleError(f"wrong dump: {path} holds the states of other tokens than the prompt "
@@ -184,6 +210,15 @@ def convert_dump(path: Path, rid: str, rec: dict, expected: Expected, dtype: str
     check_dump(dump, rid, rec["input_ids"], expected, path)
     H = expected.hidden_size
     aux = list(dump["aux_hidden_states"].split(H, dim=-1))
+    if dump["layout"] == "fp8":
+        if dtype == "bf16":
+            raise ExtractError(
+                f"{path}: the dump server writes fp8 aux states ({sglang_dump.ENV_LAYOUT}=fp8), "
+                "but --dtype bf16 stores bf16 ones, which an fp8 dump cannot give back. Restart "
+                f"the server without {sglang_dump.ENV_LAYOUT} (or ={sglang_dump.LAYOUTS[0]}), or "
+                "pass --dtype fp8, fp8-all or fp8-topk")
+        scale = dump["aux_hidden_states_scale"]
+        aux = [Fp8Rows(values, scale[:, k]) for k, values in enumerate(aux)]
     data = pack_checked(rec, aux, dump["final_hidden_states"],
                         record_meta(rec, list(expected.capture_layers)), dtype, teacher)
     saved = save(data)
@@ -205,9 +240,12 @@ def remove_dump(path: Path) -> None:
 
 
 def dump_files(dump_dir: Path, rid_prefix: str) -> list[Path]:
-    """The entries of the dump directory named like dumps of `rid_prefix`'s requests."""
+    """The entries of the dump directory named like dumps of `rid_prefix`'s requests (format 3,
+    and the `.pt` of older servers); never a dot name (a writer's temp or stats file)."""
     name_prefix = urllib.parse.quote(rid_prefix, safe="-_.")
-    return sorted(p for p in dump_dir.glob("*.pt") if p.name.startswith(name_prefix))
+    suffixes = (sglang_dump.SUFFIX, sglang_dump.LEGACY_SUFFIX)
+    return sorted(p for p in dump_dir.iterdir() if p.name.endswith(suffixes)
+                  and p.name.startswith(name_prefix) and not p.name.startswith("."))
 
 
 def clean_dump_dir(dump_dir: Path, rid_prefix: str) -> int:

@@ -2,26 +2,32 @@
 
 The server (patched by `python -m eagle3.extract.patching`, started with `EAGLE3_DUMP_DIR`) writes the
 states of every prefilled request whose rid starts with the rid prefix to
-`<dump_dir>/<rid>.pt` (format in `eagle3/extract/sglang_dump.py`) before it answers. For each record
-this client:
+`<dump_dir>/<rid>.safetensors` (format in `eagle3/extract/dump_file.py`), from a writer thread
+that works off the forward path: the file appears shortly after the answer, and a prompt
+prefilled in chunks grows chunk by chunk. For each record this client:
 
 1. sends `/generate` with the record's `input_ids`, `max_new_tokens: 1` and rid = prefix +
    the record id percent-encoded (`+retryN` appended on a retry, so that a retry never reads
    the file of an earlier attempt);
 2. checks the answer: its `meta_info.id` is the rid (when given), `cached_tokens == 0` (else
    the radix cache is on: fatal) and `prompt_tokens == len(input_ids)`;
-3. waits for the dump file and checks it (eagle3/extract/dumps.py): a regular file no larger
+3. waits (up to `--dump-wait-s`) for the dump file to hold the whole prompt (the `num_tokens`
+   of its header) and checks it (eagle3/extract/dumps.py): a regular file no larger
    than a dump of the record can be; its rid; its `input_ids` equal to the ids sent (the
    dump's identity: a server that computed another prompt under the rid is caught however
-   alike the shapes); bf16 states; capture layers; and widths: aux `[T, 3H]` and final
+   alike the shapes); the states' dtypes (bf16, or fp8 aux states with their scales in the fp8
+   layout); capture layers; and widths: aux `[T, 3H]` and final
    `[T, H]` with H from the target's config.json. A wrong width or layer list is a wrong server
-   or target, and a dump of an older format a server running an older dump module: those stop
-   the run at once;
+   or target, a dump of an older format (`<rid>.pt`) a server running an older dump module,
+   and an fp8 dump for `--dtype bf16` a server with the wrong layout: those stop the run at
+   once;
 4. splits the aux states into the three `[T, H]` captures, writes `data_<idx>.pt` (same bytes
    as the `hf` backend would write from the same states) and deletes the dump file.
-   The dump always holds the bf16 final state; the compact layouts are made here: fp8-all
-   quantizes it, fp8-topk replaces it by the teacher the client computes with the target's
-   lm_head (`--teacher-device`: a GPU beside the server at Kimi size, eagle3/extract/teacher.py).
+   The dump always holds the bf16 final state; the compact layouts are made here: fp8 aux
+   states are quantized here from a bf16 dump (an fp8 dump brings them quantized, same bytes),
+   fp8-all quantizes the final state, fp8-topk replaces it by the teacher the client computes
+   with the target's lm_head (`--teacher-device`: a GPU beside the server at Kimi size,
+   eagle3/extract/teacher.py).
 
 Requests run concurrently (enough in flight to fill the server's prefill batches) on an event
 loop; loading, converting and saving run in a few threads. The first record goes alone, as a
@@ -162,6 +168,9 @@ async def extract_sglang(cfg: ExtractConfig, expected: Expected, writers: dict[s
         extra["server"] = {"url": client.url, "concurrency": client.concurrency,
                            "restarts": client.restarts,
                            "flags": {k: info.get(k) for k in SERVER_FLAGS_RECORDED}}
+    # Dumps of failed attempts that the writer landed after the client had moved on.
+    if late := clean_dump_dir(cfg.dump_dir, cfg.rid_prefix):
+        log.info("removed %d dump files of failed attempts", late)
     return outputs, extra
 
 
@@ -301,6 +310,7 @@ class SglangExtractor:
                 return
             finally:
                 remove_dump(dump)
+                remove_dump(sglang_dump.legacy_dump_path(self.cfg.dump_dir, rid))
             self._any_success = True
             writer.mark_written(idx, len(rec["input_ids"]), saved.bytes, saved.sha256)
             prog.advance(len(rec["input_ids"]), saved.bytes)
@@ -314,18 +324,31 @@ class SglangExtractor:
         ids = rec["input_ids"]
         answer = await self._send(rid, ids)
         check_answer(answer, rid, len(ids))
+        dump = await self._wait_for_dump(rid, dump, len(ids))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, convert_dump, dump, rid, rec,
+                                          self.expected, self.dtype, save, self.teacher)
+
+    async def _wait_for_dump(self, rid: str, dump: Path, num_tokens: int) -> Path:
+        """The file to read once the dump holds the whole prompt: the server's writer lands it
+        after the answer (chunk by chunk for a chunked prompt); what sits there at the deadline
+        is read and judged (a short dump). An older server's `<rid>.pt` is returned as it is."""
+        legacy = sglang_dump.legacy_dump_path(self.cfg.dump_dir, rid)
         deadline = time.monotonic() + self.cfg.dump_wait_s
         delay = 0.005
-        while not os.path.lexists(dump):  # written before the answer; a network FS may lag
-            if time.monotonic() > deadline:
+        while True:
+            if os.path.lexists(legacy):
+                return legacy
+            if os.path.lexists(dump):
+                held = sglang_dump.peek_num_tokens(dump)  # None: not a v3 header, read it
+                if held is None or held >= num_tokens or time.monotonic() > deadline:
+                    return dump
+            elif time.monotonic() > deadline:
                 free = shutil.disk_usage(self.cfg.dump_dir).free
                 raise SampleError(f"missing dump: no {dump} {self.cfg.dump_wait_s:.0f}s after "
                                   f"the answer ({human_bytes(free)} free in the dump directory)")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, convert_dump, dump, rid, rec,
-                                          self.expected, self.dtype, save, self.teacher)
 
     async def _send(self, rid: str, ids: list[int]) -> dict:
         """/generate, riding out server restarts (which do not count against the record)."""

@@ -12,9 +12,11 @@ environment, those lines load this file by path and call:
 
 Without the variable the patched SGLang never imports this file and runs unchanged. This module
 must import without SGLang (pure torch); it is also loaded under the name `eagle3_sglang_dump`,
-so it imports nothing from the `eagle3` package.
+so it imports nothing from the `eagle3` package: its three siblings, also pure torch, are
+loaded by path the same way (`_sibling`): the file format (`dump_file.py`), the writer thread
+(`dump_writer.py`) and the fp8 quantizer (`eagle3/core/fp8.py`, the one 02b stores with).
 
-What is written. Only TP rank 0 writes (with plain tensor parallelism every rank holds the same
+What is read. Only TP rank 0 writes (with plain tensor parallelism every rank holds the same
 states). Only forward passes whose `forward_mode` is `EXTEND` are read: not MIXED, TARGET_VERIFY,
 IDLE, DECODE, DRAFT_EXTEND(_V2) or anything else, although SGLang's `is_extend()` counts MIXED and
 TARGET_VERIFY as extend. A pass holds several requests: request `j` owns rows
@@ -24,37 +26,32 @@ rid does not start with the rid prefix (`EAGLE3_DUMP_RID_PREFIX`, default `"eagl
 ignored, and so are health checks (rid prefix `HEALTH_CHECK`) whatever the prefix: SGLang's
 startup warmup sends no rid and gets a random hex one, so it never matches the default prefix.
 
-Dump file, format version 2: `dump_file_path(dump_dir, rid)`, that is `<dump_dir>/<rid>.pt` (rid
-percent-encoded for the file system), written atomically (temp file + rename); a `torch.save` of
+Off the forward path (patches/README.md, "What is written when"). `maybe_dump` only starts
+copies and queues one job per request; one writer thread (`dump_writer.DumpWriter`, FIFO) writes
+them. On a GPU a request's real rows (input_ids, aux, final) are copied into pinned host memory
+on the dump's own CUDA stream, which first waits for the work queued on the current stream; the
+sources are marked used by that stream (`record_stream`) so the caching allocator keeps their
+memory until the copies are done, and the job carries the event that says so. With
+`EAGLE3_DUMP_LAYOUT=fp8` the pass's aux rows are quantized on that stream first (transient GPU
+memory: half the pass's aux states). On a CPU (the tests, SGLang's CPU device) the copies are
+plain and the writer quantizes. While the queued jobs hold more than `EAGLE3_DUMP_MAX_PENDING_MB`
+of host memory, `maybe_dump` waits (logged): the server slows, no dump is lost. The queue is
+written out at interpreter exit; a SIGKILL (SGLang's own shutdown of its schedulers) leaves at
+most a temp file, never a partial dump.
 
-    {"format": "eagle3-sglang-dump", "version": 2,
-     "rid": str, "num_tokens": int T,
-     "input_ids": int64 [T],                  # the token ids the server computed for this rid
-                                              # (ForwardBatch.input_ids of its rows, every chunk)
-     "capture_layers": list[int],            # SGLang capture indices, e.g. [2, 30, 58]
-     "aux_hidden_states": bf16 [T, K*H],      # the K captures side by side, in capture order:
-                                              # columns k*H:(k+1)*H hold capture_layers[k]
-     "final_hidden_states": bf16 [T, H]}      # after the final norm: what the logits processor
-                                              # (and so the lm_head) sees
+Dump file, format version 3 (`dump_file.py`): `dump_file_path(dump_dir, rid)` =
+`<dump_dir>/<rid>.safetensors`, tensors `input_ids` int64 [T], `aux_hidden_states` [T, K*H] (bf16,
+or e4m3 with `aux_hidden_states_scale` float32 [T, K]), `final_hidden_states` bf16 [T, H], and
+metadata (format, version, rid, num_tokens, capture_layers, layout). Capture index `i` is the
+residual stream entering decoder layer `i` (Hugging Face `output_hidden_states[i]`).
+`input_ids` is the dump's identity: a client compares them with the prompt it sent under the rid.
 
-Capture index `i` is the residual stream entering decoder layer `i` (the output of layer `i-1`,
-Hugging Face `output_hidden_states[i]`). Load with `load_dump(path)` (`weights_only=True`).
-
-`input_ids` is the dump's identity: the states are those of these tokens, so a client compares
-them with the prompt it sent under the rid and refuses a dump of another prompt (a server that
-mixed up requests, or a file of another client). They cost 8 bytes a token beside the states'
-8H. Version 1 (no `input_ids`) is refused by `load_dump` with `OldDumpError`: a dump lives only
-between the server's write and the client's read, so a v1 file means a server still running an
-older copy of this module (restart it).
-
-Chunked prefill. A prompt prefilled in several passes arrives as several chunks of the same rid;
-`extend_prefix_lens_cpu[j]` is where the chunk starts in the prompt. The first chunk (prefix 0)
-writes the file; each later chunk must start exactly where the file ends: it is appended and the
-file rewritten. A chunk that does not fit (its start is not the file's length, for example a
-radix-cache hit or a chunk that ran in a MIXED pass) removes the file and is logged as an error,
-so that an incomplete dump is never left behind. Files are written synchronously, before the
-forward pass returns, so a dump is complete by the time SGLang answers the request; a client
-checks that the dump's `input_ids` are the prompt it sent.
+Chunked prefill: a prompt prefilled in several passes arrives as several chunks of the same rid,
+`extend_prefix_lens_cpu[j]` being where the chunk starts. The first chunk (prefix 0) writes the
+file; each later one must start where the file ends and is appended (the file rewritten), so the
+file holds the prompt's first `num_tokens` tokens until its last chunk is written. A chunk that
+does not fit (a radix-cache hit, a chunk run in a MIXED pass) removes the file and is logged as
+an error: an incomplete dump is never left behind.
 
 Server flags the dump needs (see `patches/README.md`): `--disable-radix-cache`,
 `--skip-server-warmup`, no `--enable-mixed-chunk`, no pipeline parallelism, no prefill CUDA graph
@@ -64,11 +61,14 @@ Server flags the dump needs (see `patches/README.md`): `--disable-radix-cache`,
 
 from __future__ import annotations
 
+import atexit
 import functools
-import hashlib
+import importlib
+import importlib.util
 import logging
 import os
-import urllib.parse
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,28 +78,44 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+
+def _sibling(package: str, module: str) -> Any:
+    """A pure-torch module of this checkout: imported from the eagle3 package when this file was
+    (02b, the tests), else loaded by path under `eagle3_<module>` (inside SGLang), once."""
+    if __package__ == "eagle3.extract":
+        return importlib.import_module(f"eagle3.{package}.{module}")
+    name = f"eagle3_{module}"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / package / f"{module}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[name] = loaded
+        spec.loader.exec_module(loaded)
+    return sys.modules[name]
+
+
+_file = _sibling("extract", "dump_file")
+_writer = _sibling("extract", "dump_writer")
+_fp8 = _sibling("core", "fp8")
+
+# The file format's names, for the hook's callers (02b's client, the tests).
+DUMP_FORMAT, DUMP_VERSION, DUMP_DTYPE = _file.DUMP_FORMAT, _file.DUMP_VERSION, _file.DUMP_DTYPE
+DUMP_KEYS, LAYOUT_KEYS, LAYOUTS = _file.DUMP_KEYS, _file.LAYOUT_KEYS, _file.LAYOUTS
+HEADER_MAX_BYTES, SUFFIX, LEGACY_SUFFIX = _file.HEADER_MAX_BYTES, _file.SUFFIX, _file.LEGACY_SUFFIX
+DumpError, OldDumpError = _file.DumpError, _file.OldDumpError
+dump_file_path, legacy_dump_path = _file.dump_file_path, _file.legacy_dump_path
+load_dump, save_dump, peek_num_tokens = _file.load_dump, _file.save_dump, _file.peek_num_tokens
+
 # Environment variables, read only by the server-side entry points below.
 ENV_DUMP_DIR = "EAGLE3_DUMP_DIR"
 ENV_RID_PREFIX = "EAGLE3_DUMP_RID_PREFIX"
+ENV_LAYOUT = "EAGLE3_DUMP_LAYOUT"
+ENV_MAX_PENDING_MB = "EAGLE3_DUMP_MAX_PENDING_MB"
+ENV_STATS_FILE = "EAGLE3_DUMP_STATS_FILE"
 DEFAULT_RID_PREFIX = "eagle3-"
+DEFAULT_MAX_PENDING_MB = 2048
 # SGLang's own prefix for /health generations (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX).
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
-DUMP_FORMAT = "eagle3-sglang-dump"
-DUMP_VERSION = 2
-DUMP_DTYPE = torch.bfloat16  # of the states; input_ids are int64
-# Every key of a version-2 dump, no more (a client refuses other keys).
-DUMP_KEYS = ("format", "version", "rid", "num_tokens", "input_ids", "capture_layers",
-             "aux_hidden_states", "final_hidden_states")
-# File names longer than this are shortened with a hash (file systems allow 255 bytes).
-_MAX_NAME_CHARS = 200
-
-
-class DumpError(RuntimeError):
-    """A forward pass or request that cannot be dumped; logged and skipped by `maybe_dump`."""
-
-
-class OldDumpError(DumpError):
-    """A dump of an older format version: the server runs an older copy of this module."""
 
 
 class CaptureSetupError(RuntimeError):
@@ -113,6 +129,9 @@ class DumpConfig:
     dump_dir: Path  # created mode 0700 if missing
     tp_rank: int  # this process's tensor-parallel rank; only rank 0 writes
     rid_prefix: str = DEFAULT_RID_PREFIX  # only rids starting with it are dumped ("" = all)
+    layout: str = "bf16"  # of the aux states in the files: "bf16" or "fp8" (LAYOUTS)
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_MB << 20  # host bytes queued, at most
+    stats_file: Path | None = None  # the writer's counters as JSON; None: not written
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,19 @@ class RequestRows:
     start: int  # first row in the pass (extend_start_loc)
     num_rows: int  # rows of this chunk (extend_seq_lens_cpu)
     prefix_len: int  # tokens of the prompt before this chunk (extend_prefix_lens_cpu)
+
+
+@dataclass
+class DumpJob:
+    """One request's chunk on its way to the writer: host tensors, filled once `ready` fired."""
+
+    req: RequestRows
+    input_ids_T: torch.Tensor  # int64 [n]
+    aux_TW: torch.Tensor  # [n, K*H]: bf16, or e4m3 when aux_scale_TK is set
+    aux_scale_TK: torch.Tensor | None  # float32 [n, K] (fp8 quantized on the GPU), else None
+    final_TH: torch.Tensor  # bf16 [n, H]
+    capture_layers: tuple[int, ...]
+    ready: Any = None  # a torch.cuda.Event recorded after the copies; None: copied already
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,23 +207,35 @@ def enable_capture(model: Any) -> list[int]:
         )
     config = server_config()
     if config.tp_rank == 0:
-        logger.info("eagle3 dump: %s capturing layers %s of %d, writing to %s (rid prefix %r)",
-                    type(model).__name__, capture_layers, model.config.num_hidden_layers,
-                    config.dump_dir, config.rid_prefix)
+        logger.info("eagle3 dump: %s capturing layers %s of %d, writing to %s (rid prefix %r, "
+                    "layout %s, at most %d MB queued)", type(model).__name__, capture_layers,
+                    model.config.num_hidden_layers, config.dump_dir, config.rid_prefix,
+                    config.layout, config.max_pending_bytes >> 20)
     return capture_layers
 
 
 # ---------------------------------------------------------------------------------------------
-# Configuration and files
+# Configuration and the writer
 
 
 def config_from_env(environ: Mapping[str, str], tp_rank: int) -> DumpConfig:
-    """The dump configuration named by the environment; raises `DumpError` if the dir is unset."""
+    """The dump configuration named by the environment; raises `DumpError` if the dir is unset
+    or a value is not one the dump takes."""
     dump_dir = environ.get(ENV_DUMP_DIR, "")
     if not dump_dir:
         raise DumpError(f"{ENV_DUMP_DIR} is not set; set it to the dump directory")
     prefix = environ.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX)
-    return DumpConfig(dump_dir=Path(dump_dir), tp_rank=tp_rank, rid_prefix=prefix)
+    layout = environ.get(ENV_LAYOUT, "") or "bf16"
+    if layout not in LAYOUTS:
+        raise DumpError(f"{ENV_LAYOUT}={layout!r}: expected one of {', '.join(LAYOUTS)}")
+    pending = environ.get(ENV_MAX_PENDING_MB, "") or str(DEFAULT_MAX_PENDING_MB)
+    if not pending.isdigit() or int(pending) < 1:
+        raise DumpError(f"{ENV_MAX_PENDING_MB}={pending!r}: expected a whole number of MB >= 1 "
+                        f"(default {DEFAULT_MAX_PENDING_MB})")
+    stats = environ.get(ENV_STATS_FILE, "")
+    return DumpConfig(dump_dir=Path(dump_dir), tp_rank=tp_rank, rid_prefix=prefix,
+                      layout=layout, max_pending_bytes=int(pending) << 20,
+                      stats_file=Path(stats) if stats else None)
 
 
 def _sglang_tp_rank() -> int:
@@ -217,52 +261,91 @@ def ensure_dump_dir(dump_dir: Path) -> None:
         dump_dir.chmod(0o700)  # mkdir's mode is filtered by the umask
 
 
-def dump_file_path(dump_dir: Path, rid: str) -> Path:
-    """The dump file of request `rid`: `<dump_dir>/<rid>.pt`, rid percent-encoded.
-
-    Characters other than letters, digits and `-_.` become `%XX`; a name longer than 200
-    characters keeps its first 100 and gains a hash of the whole rid.
-    """
-    if not rid:
-        raise DumpError("empty rid: send requests with a non-empty rid")
-    name = urllib.parse.quote(rid, safe="-_.")
-    if len(name) > _MAX_NAME_CHARS:
-        digest = hashlib.sha256(rid.encode()).hexdigest()[:16]
-        name = f"{name[:100]}-{digest}"
-    return dump_dir / f"{name}.pt"
+_WRITERS: dict[DumpConfig, Any] = {}  # one writer thread per configuration (a server has one)
+_WRITERS_LOCK = threading.Lock()
 
 
-def load_dump(source: Path | Any, name: str | Path | None = None) -> dict:
-    """Load a dump file (format version 2) safely; `source` is a path or an open binary file
-    (`name`: its path, for the messages). Raises `OldDumpError` for an older version,
-    `DumpError` for anything else than a dump."""
-    data = torch.load(source, map_location="cpu", weights_only=True)
-    name = name or source
-    if not isinstance(data, dict) or data.get("format") != DUMP_FORMAT:
-        raise DumpError(f"{name}: not an {DUMP_FORMAT} file")
-    if data.get("version") != DUMP_VERSION:
-        version = data.get("version")
-        if isinstance(version, int) and not isinstance(version, bool) and version < DUMP_VERSION:
-            raise OldDumpError(
-                f"{name}: an {DUMP_FORMAT} v{version} file, this module reads v{DUMP_VERSION} "
-                "(v2 adds the input_ids that prove which request a dump belongs to): the server "
-                "runs an older eagle3/extract/sglang_dump.py. Restart the dump server")
-        raise DumpError(f"{name}: an {DUMP_FORMAT} file of version {version!r}, not "
-                        f"v{DUMP_VERSION}")
-    return data
+def writer_for(config: DumpConfig) -> Any:
+    """The `dump_writer.DumpWriter` of `config`, started on first use (it first removes the temp
+    files a killed writer left); every writer is flushed at interpreter exit."""
+    with _WRITERS_LOCK:
+        writer = _WRITERS.get(config)
+        if writer is None:
+            if config.dump_dir.is_dir() and (stale := _file.remove_stale_temp_files(
+                    config.dump_dir)):
+                logger.info("eagle3 dump: removed %d temp files of a dump writer that is gone",
+                            stale)
+            if not _WRITERS:
+                atexit.register(close_writers)
+            writer = _WRITERS[config] = _writer.DumpWriter(
+                functools.partial(write_job, config), config.max_pending_bytes,
+                config.stats_file)
+        return writer
 
 
-def _atomic_save(obj: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def close_writer(config: DumpConfig) -> None:
+    """Write out and stop the writer of `config`, if it runs."""
+    with _WRITERS_LOCK:
+        writer = _WRITERS.pop(config, None)
+    if writer is not None:
+        writer.close()
+
+
+def close_writers() -> None:
+    """Write out and stop every writer (atexit)."""
+    for config in list(_WRITERS):
+        close_writer(config)
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward passes
+# Writing (the writer thread)
+
+
+def write_job(config: DumpConfig, job: DumpJob) -> int:
+    """Write one job's chunk (the writer thread's `write`): wait for its copies, quantize on the
+    host if the fp8 layout was not made on the GPU, write or extend the file; returns its bytes."""
+    if job.ready is not None:
+        job.ready.synchronize()
+    aux_TW, scale_TK = job.aux_TW, job.aux_scale_TK
+    if config.layout == "fp8" and scale_TK is None:
+        aux_TW, scale_TK = _fp8.quantize_captures(aux_TW, len(job.capture_layers))
+    return write_request(config, job.req, job.input_ids_T, aux_TW, scale_TK, job.final_TH,
+                         job.capture_layers)
+
+
+def _append_to_previous(path: Path, req: RequestRows, chunk: dict) -> dict:
+    """The tensors of tokens [0, prefix + n): the file's rows followed by this chunk's."""
+    previous = load_dump(path) if path.exists() else None
+    if previous is None or previous["rid"] != req.rid or previous["num_tokens"] != req.prefix_len:
+        held = None if previous is None else previous["num_tokens"]
+        path.unlink(missing_ok=True)
+        raise DumpError(
+            f"rid {req.rid}: chunk starts at token {req.prefix_len} but the dump holds {held} "
+            "tokens; dropped. A radix-cache hit or a chunk run in a MIXED pass: start the server "
+            "with --disable-radix-cache and without --enable-mixed-chunk"
+        )
+    return {key: torch.cat([previous[key], rows]) for key, rows in chunk.items()}
+
+
+def write_request(config: DumpConfig, req: RequestRows, ids_T: torch.Tensor,
+                  aux_TW: torch.Tensor, aux_scale_TK: torch.Tensor | None,
+                  final_TH: torch.Tensor, capture_layers: Sequence[int]) -> int:
+    """Write (or extend, for a later chunk) the dump file of one request; returns its bytes.
+    `ids_T`: the chunk's token ids (int64), `aux_TW`, `aux_scale_TK` (fp8 layout), `final_TH`:
+    its states."""
+    path = dump_file_path(config.dump_dir, req.rid)
+    tensors = {"input_ids": ids_T, "aux_hidden_states": aux_TW, "final_hidden_states": final_TH}
+    if aux_scale_TK is not None:
+        tensors["aux_hidden_states_scale"] = aux_scale_TK
+    if req.prefix_len > 0:
+        tensors = _append_to_previous(path, req, tensors)
+    return save_dump({"rid": req.rid, "num_tokens": int(tensors["final_hidden_states"].shape[0]),
+                      "capture_layers": [int(layer) for layer in capture_layers],
+                      "layout": config.layout, **tensors}, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes (the scheduler thread)
 
 
 def is_dumpable_rid(rid: str, rid_prefix: str) -> bool:
@@ -316,50 +399,32 @@ def pack_aux(aux_hidden_states: Any) -> torch.Tensor:
     return torch.cat(list(aux_hidden_states), dim=-1)
 
 
-def _cpu_rows(states: torch.Tensor, start: int, num_rows: int,
-              dtype: torch.dtype = DUMP_DTYPE) -> torch.Tensor:
-    # copy=True: a slice shares its storage, and torch.save would write the whole buffer.
-    return states[start:start + num_rows].to("cpu", dtype, copy=True)
-
-
-def _append_to_previous(path: Path, req: RequestRows, ids_T: torch.Tensor, aux_TK: torch.Tensor,
-                        final_TH: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Rows of tokens [0, prefix + n): the file's rows (and ids) followed by this chunk's."""
-    previous = load_dump(path) if path.exists() else None
-    if previous is None or previous["rid"] != req.rid or previous["num_tokens"] != req.prefix_len:
-        held = None if previous is None else previous["num_tokens"]
-        path.unlink(missing_ok=True)
+def _check_pass(forward_batch: Any, hidden_states: torch.Tensor, aux: torch.Tensor,
+                num_captures: int) -> tuple[int, torch.Tensor]:
+    """(real rows of the pass, its input_ids); raises `DumpError` when the states or the ids do
+    not cover them."""
+    num_real = sum(_as_int_list(forward_batch.extend_seq_lens_cpu))  # rows past it are padding
+    aux_width = hidden_states.shape[-1] * num_captures
+    if min(hidden_states.shape[0], aux.shape[0]) < num_real or aux.shape[-1] != aux_width:
         raise DumpError(
-            f"rid {req.rid}: chunk starts at token {req.prefix_len} but the dump holds {held} "
-            "tokens; dropped. A radix-cache hit or a chunk run in a MIXED pass: start the server "
-            "with --disable-radix-cache and without --enable-mixed-chunk"
+            f"states do not fit the batch: final {tuple(hidden_states.shape)}, aux "
+            f"{tuple(aux.shape)}, {num_real} tokens, {num_captures} captures (scattered "
+            "rows under attention DP or sequence parallelism are not supported)"
         )
-    return (torch.cat([previous["input_ids"], ids_T]),
-            torch.cat([previous["aux_hidden_states"], aux_TK]),
-            torch.cat([previous["final_hidden_states"], final_TH]))
-
-
-def write_request(config: DumpConfig, req: RequestRows, ids_T: torch.Tensor,
-                  aux_TK: torch.Tensor, final_TH: torch.Tensor,
-                  capture_layers: Sequence[int]) -> Path:
-    """Write (or extend, for a later chunk) the dump file of one request; returns its path.
-    `ids_T`: the chunk's token ids (int64), `aux_TK`, `final_TH`: its states."""
-    path = dump_file_path(config.dump_dir, req.rid)
-    if req.prefix_len > 0:
-        ids_T, aux_TK, final_TH = _append_to_previous(path, req, ids_T, aux_TK, final_TH)
-    record = {
-        "format": DUMP_FORMAT, "version": DUMP_VERSION,
-        "rid": req.rid, "num_tokens": int(final_TH.shape[0]), "input_ids": ids_T,
-        "capture_layers": [int(layer) for layer in capture_layers],
-        "aux_hidden_states": aux_TK, "final_hidden_states": final_TH,
-    }
-    _atomic_save(record, path)
-    return path
+    # The pass's token ids, row for row with the states: each dump's identity.
+    input_ids = getattr(forward_batch, "input_ids", None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or \
+            input_ids.shape[0] < num_real:
+        raise DumpError(f"EXTEND pass whose input_ids ({getattr(input_ids, 'shape', input_ids)})"
+                        f" do not cover its {num_real} tokens")
+    return num_real, input_ids
 
 
 def dump_forward_pass(config: DumpConfig, forward_batch: Any, hidden_states: torch.Tensor,
-                      aux_hidden_states: Any, capture_layers: Sequence[int]) -> list[Path]:
-    """Dump every request of one forward pass; returns the files written.
+                      aux_hidden_states: Any, capture_layers: Sequence[int],
+                      writer: Any = None) -> list[Path]:
+    """Queue the dump of every request of one forward pass on `writer` (None: write them now,
+    in this thread: `dump_writer.InlineWriter`); returns the files they go to.
 
     Passes other than EXTEND and ranks other than 0 write nothing. A request that fails is
     logged and skipped; a pass whose metadata is unusable raises `DumpError`.
@@ -371,33 +436,38 @@ def dump_forward_pass(config: DumpConfig, forward_batch: Any, hidden_states: tor
     if not requests:
         return []
     aux = pack_aux(aux_hidden_states)
-    num_real = sum(_as_int_list(forward_batch.extend_seq_lens_cpu))  # rows past it are padding
-    aux_width = hidden_states.shape[-1] * len(capture_layers)
-    if min(hidden_states.shape[0], aux.shape[0]) < num_real or aux.shape[-1] != aux_width:
-        raise DumpError(
-            f"states do not fit the batch: final {tuple(hidden_states.shape)}, aux "
-            f"{tuple(aux.shape)}, {num_real} tokens, {len(capture_layers)} captures (scattered "
-            "rows under attention DP or sequence parallelism are not supported)"
-        )
-    # The pass's token ids, row for row with the states: each dump's identity.
-    input_ids = getattr(forward_batch, "input_ids", None)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or \
-            input_ids.shape[0] < num_real:
-        raise DumpError(f"EXTEND pass whose input_ids ({getattr(input_ids, 'shape', input_ids)})"
-                        f" do not cover its {num_real} tokens")
-    written = []
+    K, H = len(capture_layers), hidden_states.shape[-1]
+    num_real, input_ids = _check_pass(forward_batch, hidden_states, aux, K)
+    writer = writer or _writer.InlineWriter(functools.partial(write_job, config))
+    staging = _writer.staging_for(hidden_states.device)
+    aux_scale = None
+    if config.layout == "fp8" and staging.on_device:  # quantized before crossing PCIe
+        real_aux = aux[:num_real]
+        aux, aux_scale = staging.compute(lambda: _fp8.quantize_captures(
+            real_aux.to(DUMP_DTYPE), K, _fp8.gpu_block_rows(H)), real_aux)
+    row_bytes = 8 + 2 * H + (K * H + 4 * K if aux_scale is not None else 2 * K * H)
+    layers = tuple(int(layer) for layer in capture_layers)
+
+    def make_job(req: RequestRows) -> DumpJob:
+        rows = functools.partial(staging.rows, start=req.start, num_rows=req.num_rows)
+        return DumpJob(
+            req, rows(input_ids, dtype=torch.int64),
+            rows(aux, dtype=aux.dtype if aux_scale is not None else DUMP_DTYPE),
+            None if aux_scale is None else rows(aux_scale, dtype=torch.float32),
+            rows(hidden_states, dtype=DUMP_DTYPE), layers, staging.done())
+
+    queued = []
     for req in requests:
         try:
             if req.start < 0 or req.start + req.num_rows > num_real:
                 raise DumpError(f"rid {req.rid}: rows {req.start}+{req.num_rows} outside the "
                                 f"{num_real} tokens of the pass")
-            ids_T = _cpu_rows(input_ids, req.start, req.num_rows, torch.int64)
-            aux_TK = _cpu_rows(aux, req.start, req.num_rows)
-            final_TH = _cpu_rows(hidden_states, req.start, req.num_rows)
-            written.append(write_request(config, req, ids_T, aux_TK, final_TH, capture_layers))
+            writer.submit(functools.partial(make_job, req), req.num_rows * row_bytes,
+                          req.num_rows, f"rid {req.rid}")
+            queued.append(dump_file_path(config.dump_dir, req.rid))
         except Exception as exc:  # a full disk or a bad chunk costs this request, not the server
             logger.exception("eagle3 dump: skipped rid %s: %s", req.rid, exc)
-    return written
+    return queued
 
 
 @functools.cache
@@ -408,7 +478,8 @@ def _warn_once(message: str) -> None:
 @torch.compiler.disable  # never traced: it must run on every pass, outside any compiled graph
 def maybe_dump(model: Any, forward_batch: Any, hidden_states: torch.Tensor,
                aux_hidden_states: Any) -> None:
-    """The forward hook: dump this pass if it is an EXTEND pass on TP rank 0. Never raises."""
+    """The forward hook: queue this pass's dumps if it is an EXTEND pass on TP rank 0 (waiting
+    while the writer's queue is full). Never raises."""
     try:
         if not is_plain_extend(forward_batch):
             return
@@ -416,7 +487,8 @@ def maybe_dump(model: Any, forward_batch: Any, hidden_states: torch.Tensor,
         if config.tp_rank != 0:
             return
         capture_layers = list(model.model.layers_to_capture)
-        dump_forward_pass(config, forward_batch, hidden_states, aux_hidden_states, capture_layers)
+        dump_forward_pass(config, forward_batch, hidden_states, aux_hidden_states,
+                          capture_layers, writer_for(config))
     except DumpError as exc:
         _warn_once(f"eagle3 dump: pass skipped: {exc}")
     except Exception:  # the dump must never take the server down

@@ -288,6 +288,16 @@ def test_main_ends_in_one_line_naming_the_restart_when_dumps_are_of_an_older_for
     assert len(server.generate_calls) == 1
 
 
+def test_main_ends_in_one_line_naming_the_layout_when_server_dumps_fp8_for_dtype_bf16(
+        merged, tiny_target_dir, target_model, layers, tmp_path, capsys):
+    with FakeDumpServer(target_model, tmp_path / "dump", layers, dump_layout="fp8") as server:
+        rc, line = run_script(copy_merged(merged, tmp_path / "w"), tiny_target_dir, server,
+                              capsys)
+    assert rc == 1 and "\n" not in line
+    assert "EAGLE3_DUMP_LAYOUT=fp8" in line and "--dtype fp8" in line
+    assert len(server.generate_calls) == 1
+
+
 @pytest.mark.parametrize("case,words", [("no dump dir", "does not exist"),
                                         ("other layers", "the server captured layers"),
                                         ("verify fails", "differ from the transformers forward")])

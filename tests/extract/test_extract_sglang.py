@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dump_helpers import kill_writer_mid_file
 from extract_helpers import (
     STAGE,
     assert_same_outputs,
@@ -129,14 +130,16 @@ def test_extract_sglang_writes_the_hf_backend_files_when_server_batches_and_chun
     assert manifest["outputs"]["train"]["written"] == 20 and manifest["server"]["restarts"] == 0
 
 
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])  # the server's EAGLE3_DUMP_LAYOUT
 @pytest.mark.parametrize("dtype", ["fp8", "fp8-all", "fp8-topk"])
 def test_extract_sglang_writes_the_hf_backend_files_when_dtype_is_compact(
-        merged, tiny_target_dir, make_server, tmp_path, dtype):
+        merged, tiny_target_dir, make_server, tmp_path, dtype, layout):
     reference = _hf_run(merged, tiny_target_dir, tmp_path / "hf", dtype)
     workdir = copy_merged(merged, tmp_path / "w")
     if dtype == "fp8-topk":  # the client computes the teacher from each dump's final state
         build_vocab(workdir, tiny_target_dir)
-    assert run_client(workdir, tiny_target_dir, make_server(), "--dtype", dtype,
+    server = make_server(dump_layout=layout)
+    assert run_client(workdir, tiny_target_dir, server, "--dtype", dtype,
                       "--verify-against-hf", "2") == 0
     assert_same_outputs(workdir, reference)
     manifest = json.loads((workdir / STAGE / "manifest.json").read_text())
@@ -216,6 +219,22 @@ def test_extract_sglang_writes_identical_files_when_client_is_killed_and_rerun(
     index = [e["idx"] for e in read_jsonl(workdir / STAGE / "train" / "index.jsonl")]
     assert sorted(index) == list(range(20))  # one line per file, also for unlogged ones
     assert not [p for p in server.dump_config.dump_dir.iterdir()]
+
+
+def test_extract_sglang_writes_identical_files_when_a_killed_server_left_dumps_and_temp_files(
+        merged, hf_reference, tiny_target_dir, make_server, tmp_path):
+    # A dump server killed in the middle of a file, after two whole dumps, under the rids this
+    # run sends (random states, not the target's): what a crash leaves in the dump directory.
+    records = list(read_jsonl(merged / "01c_merged" / "train.jsonl"))[:4]
+    prompts = {make_rid("eagle3-", r["id"], 0): len(r["input_ids"]) for r in records}
+    pid = kill_writer_mid_file(tmp_path / "dump", prompts)
+    left = sorted(p.name for p in (tmp_path / "dump").iterdir())
+    assert len(left) == 3 and left[0].endswith(f".{pid}.tmp")
+    server = make_server()
+    workdir = copy_merged(merged, tmp_path / "w")
+    assert run_client(workdir, tiny_target_dir, server) == 0
+    assert_same_outputs(workdir, hf_reference)
+    assert list(server.dump_config.dump_dir.iterdir()) == []  # stale dumps and temp file gone
 
 
 def test_extract_sglang_lists_record_in_failures_file_when_every_attempt_fails(

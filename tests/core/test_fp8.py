@@ -1,0 +1,39 @@
+"""Tests of eagle3/core/fp8.py, the one quantizer of 02b's fp8 layouts and of the dump hook's."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.core import hidden_states as hs
+from eagle3.core.fp8 import FP8_MAX, gpu_block_rows, quantize_captures, quantize_fp8
+
+
+def states(T: int, width: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(T, width, generator=gen) * torch.logspace(-3, 3, T)[:, None]
+    x[0] = 0.0  # a zero row: the scale's floor
+    return x.to(torch.bfloat16)
+
+
+def test_quantize_fp8_gives_the_same_bits_whatever_the_block_of_rows():
+    x = states(300, 16)
+    q, s = quantize_fp8(x)
+    for block in (1, 7, 300, 4096):
+        q2, s2 = quantize_fp8(x, block)
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    assert torch.equal(s[1:], x[1:].float().abs().amax(-1) / FP8_MAX) and s[0] == 1e-12
+    assert gpu_block_rows(7168) == (32 << 20) // (4 * 7168) and gpu_block_rows(10 ** 9) == 64
+
+
+def test_quantize_captures_equals_each_capture_quantized_alone():
+    x = states(50, 3 * 16)
+    q, s = quantize_captures(x, 3)
+    assert q.shape == (50, 48) and s.shape == (50, 3)
+    for k in range(3):
+        qk, sk = quantize_fp8(x[:, 16 * k:16 * (k + 1)])
+        assert torch.equal(q[:, 16 * k:16 * (k + 1)].view(torch.uint8), qk.view(torch.uint8))
+        assert torch.equal(s[:, k], sk)
+
+
+def test_hidden_states_stores_with_this_quantizer():
+    assert hs.quantize_fp8 is quantize_fp8

@@ -1,0 +1,58 @@
+"""The dump hook's CUDA path (eagle3/extract/dump_writer.py `CudaStaging`): copies into pinned
+memory on the dump's own stream, the fp8 layout quantized on the GPU. The files equal those of
+the CPU path (the CPU suite's), bit for bit, also when the states' memory is freed and
+overwritten on the current stream right after the hook returned. Needs a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dump_helpers import CAPTURE, forward_pass, prefill_schedule
+
+from eagle3.extract import sglang_dump
+from eagle3.extract.sglang_dump import DumpConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="the CUDA staging path needs a GPU")
+TOTALS = {f"eagle3-g{i}": 1 + (13 * i) % 97 for i in range(24)}
+
+
+def to_cuda(batch, final, aux):
+    batch.input_ids = batch.input_ids.cuda()
+    aux = aux.cuda() if isinstance(aux, torch.Tensor) else [a.cuda() for a in aux]
+    return batch, final.cuda(), aux
+
+
+def dump_all(config: DumpConfig, cuda: bool, clobber: bool = False) -> dict:
+    config.dump_dir.mkdir(parents=True)
+    writer = sglang_dump.writer_for(config)
+    for k, chunks in enumerate(prefill_schedule(TOTALS, 32, 64)):
+        batch, final, aux = forward_pass(chunks, pad_rows=k % 5, packed=k % 2 == 0,
+                                         totals=TOTALS)
+        if cuda:
+            batch, final, aux = to_cuda(batch, final, aux)
+        sglang_dump.dump_forward_pass(config, batch, final, aux, CAPTURE, writer)
+        if clobber:  # free the states and write over memory on the current stream at once
+            del batch, final, aux
+            for _ in range(4):
+                torch.full((1 << 20,), float("nan"), device="cuda").mul_(2)
+    assert writer.flush(timeout_s=120)
+    assert writer.snapshot()["jobs_failed"] == 0
+    sglang_dump.close_writer(config)
+    return {rid: sglang_dump.load_dump(sglang_dump.dump_file_path(config.dump_dir, rid))
+            for rid in TOTALS}
+
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_cuda_dumps_equal_cpu_dumps_bit_for_bit_when_memory_is_reused(tmp_path, layout):
+    cpu = dump_all(DumpConfig(tmp_path / "cpu", 0, layout=layout), cuda=False)
+    gpu = dump_all(DumpConfig(tmp_path / "gpu", 0, layout=layout), cuda=True, clobber=True)
+    for rid in TOTALS:
+        assert cpu[rid].keys() == gpu[rid].keys()
+        for key, value in cpu[rid].items():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == gpu[rid][key].dtype, (rid, key)
+                assert torch.equal(value.view(torch.uint8), gpu[rid][key].view(torch.uint8)), (
+                    rid, key)
+            else:
+                assert value == gpu[rid][key], (rid, key)
