@@ -65,6 +65,10 @@ from eagle3.core.preflight import PreflightError, raise_on_errors
 from eagle3.core.progress import human_bytes
 from eagle3.core.server import (
     MODEL_INFO_PATHS,
+    PROBE_TIMEOUT_S,
+    NoAnswer,
+    NotJSONAnswer,
+    RetriesExhausted,
     RetryPolicy,
     ServerError,
     generate,
@@ -100,6 +104,7 @@ from eagle3.extract.writer import (
 
 log = logging.getLogger(__name__)
 
+PROBE_FLOOR_S = 5.0  # the shortest wait of a flags or readiness probe (see SglangExtractor)
 SERVER_FLAGS_RECORDED = ("model_path", "tp_size", "disable_radix_cache", "chunked_prefill_size",
                          "max_prefill_tokens", "enable_mixed_chunk", "cuda_graph_backend_prefill",
                          "disable_piecewise_cuda_graph", "version")
@@ -183,6 +188,14 @@ class SglangExtractor:
         self.concurrency = cfg.concurrency
         self.restarts = 0
         self._any_success = False
+        # Reading the flags and asking whether the server is up wait no longer than a request
+        # may (--request-timeout-s), so that a server that holds every connection ends the run
+        # within that bound too; but at least PROBE_FLOOR_S, so that a short request deadline
+        # does not take a busy server for a dead one.
+        self._probe_s = min(PROBE_TIMEOUT_S, max(cfg.request_timeout_s, PROBE_FLOOR_S))
+        self._answered = False  # some /generate request got a JSON answer
+        self._silent: set[str] = set()  # records whose requests got no answer since the last
+        # answer (see _stop_if_silent)
 
     async def __aenter__(self) -> SglangExtractor:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -214,9 +227,13 @@ class SglangExtractor:
         """The server's `/server_info`, checked for the dump (check_dump_server); an answer that
         is not its flags (an HTML page, no answer) is an ExtractError naming the URL."""
         try:
-            info = await get_server_info(self._session, self.url)
+            info = await get_server_info(self._session, self.url, self._probe_s)
         except ServerError as e:
             raise ExtractError(f"{what}: cannot read its flags: {e}") from None
+        if not info:  # SGLang's /server_info always holds its ServerArgs
+            raise ExtractError(f"{what}: cannot read its flags: {self.url}/server_info answered "
+                               "HTTP 200 with no flags (an empty body or {}): is --server-url "
+                               "the patched SGLang server (and port)?")
         try:
             raise_on_errors(check_dump_server(info), what)
         except PreflightError as e:
@@ -233,21 +250,39 @@ class SglangExtractor:
             await self._run(head, writer, prog, failures)
             report = None
             if verify is not None and verify_n and not writer.stopping:
-                idxs = [i for i in range(min(verify_n, len(writer.records))) if i in writer.done]
-                loop = asyncio.get_running_loop()
-                try:
-                    report = await loop.run_in_executor(None, verify, writer, idxs)
-                except VerificationFailed as e:  # written, then found wrong: never left as good
-                    removed = writer.discard(e.idxs)
-                    raise ExtractError(f"{e} Removed the {len(removed)} files that failed "
-                                       f"(first: {removed[0]}); the re-run extracts them "
-                                       "again") from None
+                report = await self._verify(writer, verify, verify_n)
             await self._run([i for i in pending if i >= verify_n], writer, prog, failures)
         except BaseException:
             writer.abandon()  # failures.jsonl is already on disk (written at each failure)
             raise
         failures.close(writer)
         return writer.close(), report
+
+    async def _verify(self, writer: SplitWriter, verify: Callable, verify_n: int) -> list:
+        """`--verify-against-hf` on the files of the first `verify_n` records; its report.
+
+        Nothing the run wrote stays as good unless it passed: when a file fails, the stage
+        stops after removing the files that failed and every file this run wrote that was not
+        verified (their index lines too), so that a re-run extracts them again; when the
+        verifier itself cannot finish, every file this run wrote is removed before its error
+        goes on."""
+        idxs = [i for i in range(min(verify_n, len(writer.records))) if i in writer.done]
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, verify, writer, idxs)
+        except VerificationFailed as e:  # written, then found wrong: never left as good
+            unverified = sorted(writer.written_now - set(idxs))
+            removed = writer.discard([*e.idxs, *unverified])
+            also = f" and the {len(unverified)} written unverified" if unverified else ""
+            raise ExtractError(f"{e} Removed the {len(e.idxs)} files that failed{also} "
+                               f"(first: {removed[0]}); the re-run extracts them again") from None
+        except BaseException:
+            removed = writer.discard(sorted(writer.written_now))
+            if removed:
+                log.error("verification did not finish: removed the %d files this run wrote "
+                          "(first: %s); the re-run extracts them again", len(removed),
+                          removed[0])
+            raise
 
     async def _run(self, idxs: list[int], writer: SplitWriter, prog: ExtractProgress,
                    failures: FailureLog) -> None:
@@ -333,19 +368,49 @@ class SglangExtractor:
         while True:
             try:
                 async with self._slots:
-                    return await generate(self._session, self.url, ids, rid,
-                                          {"max_new_tokens": 1}, self.tuning.retry)
+                    answer = await generate(self._session, self.url, ids, rid,
+                                            {"max_new_tokens": 1}, self.tuning.retry)
+                self._answered = True
+                self._silent.clear()
+                return answer
             except ServerError as e:
                 if await self._is_up():
+                    self._stop_if_silent(e, rid)
                     raise SampleError(f"server error: {e}"[:500]) from e
                 downs += 1
                 if downs > self.cfg.max_attempts:
                     raise SampleError(f"server down {downs} times during this request") from e
                 await self._wait_for_server()
 
+    def _stop_if_silent(self, error: ServerError, rid: str) -> None:
+        """ExtractError when the server is up but does not answer the API: a request whose
+        every attempt (the per-request retries) got no answer within --request-timeout-s or a
+        200 that is not a JSON object (an empty body, a web page), either before any request
+        was answered or for `--max-attempts` records in a row. That is the server (hung, or
+        not the dump server), not the record: every other record would wait out the same
+        retries."""
+        if not isinstance(error, RetriesExhausted) or not error.every(NoAnswer, NotJSONAnswer):
+            return
+        self._silent.add(rid.split("+retry")[0])
+        if self._answered and len(self._silent) < self.cfg.max_attempts:
+            return
+        n, last = len(error.errors), error.errors[-1]
+        if error.every(NotJSONAnswer):
+            raise ExtractError(
+                f"dump server {self.url} does not answer the API: the {n} attempts of request "
+                f"{rid} all came back so (last: {str(last).split(': ', 1)[-1]})"[:700]) from None
+        what = ("no request was ever answered" if not self._answered
+                else f"{len(self._silent)} records in a row got no answer")
+        raise ExtractError(
+            f"dump server {self.url} accepts requests but answers none: {n} attempts of "
+            f"request {rid} got no answer within --request-timeout-s "
+            f"{self.tuning.retry.timeout_s:g}s ({what}). It is hung or not the dump server: "
+            "check its log, restart it and re-run this command (the stage resumes), or raise "
+            "--request-timeout-s if one prefill takes longer") from None
+
     async def _is_up(self) -> bool:
         try:
-            await get_json(self._session, self.url, MODEL_INFO_PATHS, timeout_s=30.0)
+            await get_json(self._session, self.url, MODEL_INFO_PATHS, timeout_s=self._probe_s)
             return True
         except ServerError:
             return False
@@ -359,7 +424,7 @@ class SglangExtractor:
                         self.url, self.cfg.server_wait_s)
             try:
                 await wait_ready(self._session, self.url, timeout_s=self.cfg.server_wait_s,
-                                 poll_s=self.tuning.poll_s, request_timeout_s=30.0)
+                                 poll_s=self.tuning.poll_s, request_timeout_s=self._probe_s)
             except ServerError:
                 raise ExtractError(f"server {self.url} did not come back within "
                                    f"{self.cfg.server_wait_s:.0f}s; restart it and re-run "
