@@ -3,7 +3,8 @@ finite to be written. What fails either is skipped into the stage's skip list
 (`eagle3.core.faults.BadRecords`, `02b_hidden_states/skipped.jsonl`), counted in the summary
 and the manifest, and never written as good.
 
-Input (`read_split`): each line of `01c_merged/<split>.jsonl` must be a JSON object with a
+Input (`read_split`, over `merged_line`, which 03 runs too): each line of
+`01c_merged/<split>.jsonl` must be a JSON object (that a parser can take) with a
 non-empty string `id` (unique in the split), a `source`, `input_ids` a non-empty list of ints in
 `[0, vocab_size)` and `loss_mask` a list of 0/1 of the same length (`seq_len`, when present,
 equal to it). A bad line keeps its index (its slot is None), so that every other record keeps

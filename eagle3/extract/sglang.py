@@ -37,8 +37,12 @@ tried again, after a backoff and under a new rid, up to `max_attempts` times, th
 its reasons to `<split>/failures.jsonl` (the stage stays incomplete; a re-run retries it). Every
 wait has a deadline: the request timeout (`--request-timeout-s`), `--dump-wait-s`, `--server-wait-s`. States with NaN
 or Inf skip the record as bad (`eagle3/extract/checks.py`; not requested again). Files that
-fail `--verify-against-hf` are removed before the stage stops (VerificationFailed), so that a
-re-run extracts them again instead of keeping them as good. A server that
+fail `--verify-against-hf`, and any the run wrote without verifying them, are removed with their
+index lines before the stage stops (VerificationFailed), so that a re-run extracts them again
+instead of keeping them as good. A server that is up but does not answer the API (every
+attempt of a request an empty or non-JSON 200, or no answer within the request deadline: before
+any answer, or for `max_attempts` records in a row) stops the run in one line: it is the
+server, not the records. A server that
 stops answering (restart, crash) is waited for, its flags are checked again, and the requests in
 flight are re-sent without counting against their records. A stop signal lets the records in
 flight finish and starts no new one.
@@ -66,9 +70,6 @@ from eagle3.core.progress import human_bytes
 from eagle3.core.server import (
     MODEL_INFO_PATHS,
     PROBE_TIMEOUT_S,
-    NoAnswer,
-    NotJSONAnswer,
-    RetriesExhausted,
     RetryPolicy,
     ServerError,
     generate,
@@ -80,7 +81,7 @@ from eagle3.core.target import TargetInfo
 from eagle3.extract import hf, sglang_dump
 from eagle3.extract.checks import BadStates
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.dump_server import check_dump_server
+from eagle3.extract.dump_server import SilenceWatch, check_dump_server
 from eagle3.extract.dumps import (
     Expected,
     SampleError,
@@ -193,9 +194,7 @@ class SglangExtractor:
         # within that bound too; but at least PROBE_FLOOR_S, so that a short request deadline
         # does not take a busy server for a dead one.
         self._probe_s = min(PROBE_TIMEOUT_S, max(cfg.request_timeout_s, PROBE_FLOOR_S))
-        self._answered = False  # some /generate request got a JSON answer
-        self._silent: set[str] = set()  # records whose requests got no answer since the last
-        # answer (see _stop_if_silent)
+        self._silence = SilenceWatch(self.url, cfg.max_attempts)
 
     async def __aenter__(self) -> SglangExtractor:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -370,43 +369,16 @@ class SglangExtractor:
                 async with self._slots:
                     answer = await generate(self._session, self.url, ids, rid,
                                             {"max_new_tokens": 1}, self.tuning.retry)
-                self._answered = True
-                self._silent.clear()
+                self._silence.answered()
                 return answer
             except ServerError as e:
                 if await self._is_up():
-                    self._stop_if_silent(e, rid)
+                    self._silence.check(e, rid, self.tuning.retry.timeout_s)
                     raise SampleError(f"server error: {e}"[:500]) from e
                 downs += 1
                 if downs > self.cfg.max_attempts:
                     raise SampleError(f"server down {downs} times during this request") from e
                 await self._wait_for_server()
-
-    def _stop_if_silent(self, error: ServerError, rid: str) -> None:
-        """ExtractError when the server is up but does not answer the API: a request whose
-        every attempt (the per-request retries) got no answer within --request-timeout-s or a
-        200 that is not a JSON object (an empty body, a web page), either before any request
-        was answered or for `--max-attempts` records in a row. That is the server (hung, or
-        not the dump server), not the record: every other record would wait out the same
-        retries."""
-        if not isinstance(error, RetriesExhausted) or not error.every(NoAnswer, NotJSONAnswer):
-            return
-        self._silent.add(rid.split("+retry")[0])
-        if self._answered and len(self._silent) < self.cfg.max_attempts:
-            return
-        n, last = len(error.errors), error.errors[-1]
-        if error.every(NotJSONAnswer):
-            raise ExtractError(
-                f"dump server {self.url} does not answer the API: the {n} attempts of request "
-                f"{rid} all came back so (last: {str(last).split(': ', 1)[-1]})"[:700]) from None
-        what = ("no request was ever answered" if not self._answered
-                else f"{len(self._silent)} records in a row got no answer")
-        raise ExtractError(
-            f"dump server {self.url} accepts requests but answers none: {n} attempts of "
-            f"request {rid} got no answer within --request-timeout-s "
-            f"{self.tuning.retry.timeout_s:g}s ({what}). It is hung or not the dump server: "
-            "check its log, restart it and re-run this command (the stage resumes), or raise "
-            "--request-timeout-s if one prefill takes longer") from None
 
     async def _is_up(self) -> bool:
         try:
