@@ -5,9 +5,12 @@ Reads `<workdir>/01c_merged/train.jsonl`; writes `<workdir>/03_vocab/vocab_mappi
 and `report.json` (coverage at 8K/16K/32K/64K and at the chosen size, the chosen size's coverage
 of target-written and of dataset-written supervised tokens apart, top tokens); warns when
 dataset-written text (recipes with "regenerate": false) chose part of the vocabulary. A bad
-line of the train split (torn, not JSON, wrong types, ids outside the target vocab) is skipped,
-listed in `03_vocab/skipped.jsonl` and counted in the summary, `report.json` and the manifest;
-past `--max-bad` the stage stops naming the list.
+line of the train split (02b's check of a merged line: torn, blank, not JSON, wrong types, no
+source, ids outside the target vocab, a repeated id) is skipped, listed in
+`03_vocab/skipped.jsonl` and counted in the summary (the first one named), `report.json` and the
+manifest; past `--max-bad` the stage stops naming the list. A split with other than the records
+the merge's manifest counts (a line added or removed since) stops the stage in one line naming
+the file, both counts and the first bad line.
 
 Tiny target (demo):
     python 03_build_vocab_mapping.py --workdir runs/demo --target runs/demo/target \
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.core.cli import UpstreamStageFlags, arg, config_dict, parse_config, setup_logging
-from eagle3.core.faults import BadRecords, script_main
+from eagle3.core.faults import SKIP_LIST, BadRecords, script_main
 from eagle3.core.progress import format_summary, human_seconds, progress
 from eagle3.core.records import count_jsonl
 from eagle3.core.stage import (
@@ -39,6 +42,7 @@ from eagle3.core.stage import (
 from eagle3.core.target import TRUST_HELP, check_remote_code, load_tokenizer, read_target_info
 from eagle3.vocab.mapping import (
     build_mapping,
+    check_merged_count,
     count_supervised_by_origin,
     regenerated_datasets,
     report,
@@ -55,7 +59,8 @@ class VocabConfig(UpstreamStageFlags):
     trust_remote_code: bool = arg(False, TRUST_HELP)
     draft_vocab: int = arg(32000, "draft vocabulary size (ids)")
     max_bad: int = arg(10, "bad lines of the merged train split (torn, not JSON, wrong types, "
-                           "ids outside the target vocab) skipped and listed in "
+                           "no source, ids outside the target vocab, a repeated id) skipped "
+                           "and listed in "
                            "03_vocab/skipped.jsonl before the stage stops (-1 = no limit): a "
                            "few barely move the vocabulary, more mean the merge went wrong")
 
@@ -70,7 +75,7 @@ class VocabConfig(UpstreamStageFlags):
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(VocabConfig, argv, __doc__)
     setup_logging(cfg.log_level)
-    require_upstream(cfg.workdir / UPSTREAM, cfg.allow_partial)
+    upstream = require_upstream(cfg.workdir / UPSTREAM, cfg.allow_partial)
     info = read_target_info(cfg.target)
     stage = open_stage(cfg.workdir, STAGE, config_dict(cfg), cfg.force)
     if stage is None:
@@ -78,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     src = cfg.workdir / UPSTREAM / "train.jsonl"
     stage.add_input(src)
-    bar = progress(total=count_jsonl(src), desc="03 count", unit="rec")
+    lines = count_jsonl(src)
+    bar = progress(total=lines, desc="03 count", unit="rec")
+    (stage.dir / SKIP_LIST).unlink(missing_ok=True)  # every line is read again: rebuilt whole
     bad = BadRecords(stage.dir, cfg.max_bad)
     try:  # a stop past --max-bad ends the bar's line before the error's
         by_origin = count_supervised_by_origin(src, info.vocab_size,
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bar.close()
         bad.close()
+    check_merged_count(src, lines, upstream, cfg.workdir / UPSTREAM / "manifest.json", bad.first)
     counts = by_origin.sum(0)
     hot = select_hot_ids(counts, cfg.draft_vocab)
     mapping = build_mapping(hot, info.vocab_size)

@@ -18,9 +18,9 @@ than the ones announced; `restart()` takes the server down and up. And lies: the
 another prompt of the same length under the request's rid (a server that mixed up requests),
 states in an integer dtype, dumps of the older format (a server running an older dump module),
 a FIFO, a directory or a bloated file at the dump's path, an answer naming another request, an
-HTML page for `/server_info`. With any fault set, the server waits for its writer before it
-answers, so that what a fault does to a dump happens to the whole file, and no dump lands after
-the client gave up on the attempt.
+HTML page for `/server_info`, an empty body for every `/generate`. With any fault set, the
+server waits for its writer before it answers, so that what a fault does to a dump happens to
+the whole file, and no dump lands after the client gave up on the attempt.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class Faults:
     old_format: bool = False  # every dump rewritten as format version 1 (torch.save at
     # <rid>.pt, no input_ids), as a server running an older dump module writes it
     server_info_html: bool = False  # /server_info answers 200 with a web page
+    empty_answer: bool = False  # every /generate answered HTTP 200 with an empty body
 
 
 @dataclass
@@ -213,6 +214,8 @@ class FakeDumpServer:
         rid, ids = body["rid"], body["input_ids"]
         assert body["sampling_params"]["max_new_tokens"] == 1, body["sampling_params"]
         self.generate_calls.append(rid)
+        if self.faults.empty_answer:  # a proxy or another service on the port: nothing computed
+            return web.Response(status=200, body=b"", content_type="application/json")
         if self._hit(self.faults.http_500, rid):
             return web.Response(status=500, text="injected internal error")
         if self._hit(self.faults.hang, rid):

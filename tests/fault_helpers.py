@@ -1,6 +1,6 @@
 """Fault injection shared by the stages' fault tests: a small real disk that fills up or turns
 read-only (a tmpfs mount where the machine allows it), a write shim where it does not, and
-damaged copies of files.
+damaged copies of files, and a server that accepts connections and never answers.
 
     with small_disk(tmp_path / "disk", kib=256) as disk:   # a real tmpfs, or None
         ...
@@ -145,3 +145,19 @@ def flip_bytes(path: Path, n: int = 64, offset_fraction: float = 0.6) -> None:
     for i in range(start, min(start + n, len(data))):
         data[i] ^= 0xFF
     Path(path).write_bytes(bytes(data))
+
+
+@contextmanager
+def silent_server():
+    """The URL of a server that accepts every connection and never answers: a socket on
+    127.0.0.1 that listens and never reads (the kernel completes each handshake into its
+    backlog), as a hung process does. Yields `http://127.0.0.1:<port>`."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()

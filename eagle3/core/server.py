@@ -10,8 +10,11 @@ native `/generate` takes `{"input_ids", "rid", "sampling_params"}` and answers
 Retries: a request is retried with exponential backoff (plus jitter) on HTTP 5xx, 429, timeouts
 (every attempt has a deadline: `RetryPolicy.timeout_s` covers connecting, waiting and reading the
 body), dropped connections (also half-way through the body), and a 200 whose body is not a JSON
-object (cut, garbled); other 4xx answers are not retried. After `max_retries` attempts the
-last error is raised as ServerError naming the URL, the request id and the cause.
+object (cut, garbled, empty); other 4xx answers are not retried. After `max_retries` attempts
+the last error is raised as RetriesExhausted (a ServerError) naming the URL, the request id and
+the cause, and holding every attempt's error (`NoAnswer` for a deadline, `NotJSONAnswer` for a
+body that is not a JSON object), so that a client tells a server that never answers the API
+from one request's bad luck.
 
 Several servers (or several SGLang routers) form a `ServerPool`: each request goes to the server
 with the fewest requests outstanding (`least_outstanding`, the default) or to the next one in turn
@@ -34,6 +37,8 @@ import aiohttp
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")  # SGLang readiness (newer name first)
+PROBE_TIMEOUT_S = 30.0  # how long one readiness probe waits for its answer, unless told
 POOL_POLICIES = ("least_outstanding", "round_robin")
 
 
@@ -56,6 +61,29 @@ class TransientError(ServerError):
         # which says nothing about this request.
         self.unreachable = unreachable
         self.server: str | None = None  # set by post_pool_once: which server failed
+
+
+class NoAnswer(TransientError):
+    """An attempt that got no answer within its deadline (the server accepted the request, or
+    not even the connection, and said nothing)."""
+
+
+class NotJSONAnswer(TransientError):
+    """A 200 whose body is not a JSON object (empty, cut, garbled, an HTML page)."""
+
+
+class RetriesExhausted(ServerError):
+    """A request whose every attempt failed; `errors` holds each attempt's TransientError, so
+    that a client can tell a server that never answers, or never answers the API, from one
+    record's bad luck."""
+
+    def __init__(self, message: str, errors: list[TransientError]):
+        super().__init__(message)
+        self.errors = errors
+
+    def every(self, *kinds: type) -> bool:
+        """True when every attempt failed in one of `kinds`."""
+        return bool(self.errors) and all(isinstance(e, kinds) for e in self.errors)
 
 
 class BadAnswer(TransientError):
@@ -189,25 +217,27 @@ async def post_once(session: aiohttp.ClientSession, url: str, payload: dict, tim
     except aiohttp.ClientError as e:  # a reply that is not HTTP (a chunk size not in hex, ...)
         raise TransientError(f"{url}: malformed HTTP answer for {what}: {e!r}"[:500]) from e
     except asyncio.TimeoutError as e:
-        raise TransientError(f"{url}: no answer within {timeout_s:g}s for {what}") from e
+        raise NoAnswer(f"{url}: no answer within {timeout_s:g}s for {what}") from e
     try:  # every endpoint we call answers a JSON object
         return json_object(body, content_type, url)
     except ServerError as e:  # a cut or garbled body, an HTML page: retried
-        raise TransientError(f"unparsable answer for {what}: {e}") from e
+        raise NotJSONAnswer(f"unparsable answer for {what}: {e}") from e
 
 
 async def _with_retries(attempt_once, policy: RetryPolicy, what: str, where: str = "") -> dict:
-    """Await `attempt_once()` until it succeeds, backing off after each TransientError."""
-    last: Exception | None = None
+    """Await `attempt_once()` until it succeeds, backing off after each TransientError;
+    RetriesExhausted (a ServerError) holding every attempt's error when none did."""
+    errors: list[TransientError] = []
     for attempt in range(policy.max_retries + 1):
         if attempt:
             await asyncio.sleep(policy.delay_s(attempt))
         try:
             return await attempt_once()
         except TransientError as e:
-            last = e
+            errors.append(e)
             log.debug("attempt %d for %s failed: %s", attempt + 1, what, e)
-    raise ServerError(f"{where}{what} failed after {policy.max_retries + 1} attempts: {last}")
+    raise RetriesExhausted(f"{where}{what} failed after {policy.max_retries + 1} attempts: "
+                           f"{errors[-1]}", errors)
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, payload: dict,
@@ -304,7 +334,8 @@ def json_object(body: bytes, content_type: str | None, url: str, empty_ok: bool 
                               f"{len(body):,} bytes: {body[:120]!r}")
         return answer
     text = body[:120].decode("utf-8", "replace").strip()
-    what = "an HTML page" if text[:1] == "<" else "not a JSON object"
+    what = ("an empty body" if not body.strip() else "an HTML page" if text[:1] == "<"
+            else "not a JSON object")
     raise NotJSONError(f"{url} answered HTTP 200 with {what} (Content-Type "
                       f"{content_type or 'none'}, {len(body):,} bytes: {text!r}): is this the "
                       "server's URL (and port)?")
@@ -355,10 +386,12 @@ SERVER_INFO_TYPES = {
 }
 
 
-async def get_server_info(session: aiohttp.ClientSession, base_url: str) -> dict:
-    """The server's flags (`/server_info`; `/get_server_info` before SGLang 0.5.10); a
-    ServerError naming the flag when one the stages read is not of SGLang's type."""
-    info = await get_json(session, base_url, ("/server_info", "/get_server_info"))
+async def get_server_info(session: aiohttp.ClientSession, base_url: str,
+                          timeout_s: float = PROBE_TIMEOUT_S) -> dict:
+    """The server's flags (`/server_info`; `/get_server_info` before SGLang 0.5.10), each
+    path waiting up to `timeout_s`; a ServerError naming the flag when one the stages read is
+    not of SGLang's type."""
+    info = await get_json(session, base_url, ("/server_info", "/get_server_info"), timeout_s)
     wrong = [f"{key} {info[key]!r}"[:80] for kind, keys in SERVER_INFO_TYPES.items()
              for key in keys if info.get(key) is not None and type(info[key]) is not kind]
     if wrong:
@@ -367,8 +400,6 @@ async def get_server_info(session: aiohttp.ClientSession, base_url: str) -> dict
     return info
 
 
-MODEL_INFO_PATHS = ("/model_info", "/get_model_info")  # SGLang readiness (newer name first)
-PROBE_TIMEOUT_S = 30.0  # how long one readiness probe waits for its answer, unless told
 
 
 class ServerExitedError(ServerError):

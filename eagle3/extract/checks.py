@@ -3,7 +3,8 @@ finite to be written. What fails either is skipped into the stage's skip list
 (`eagle3.core.faults.BadRecords`, `02b_hidden_states/skipped.jsonl`), counted in the summary
 and the manifest, and never written as good.
 
-Input (`read_split`): each line of `01c_merged/<split>.jsonl` must be a JSON object with a
+Input (`read_split`, over `merged_line`, which 03 runs too): each line of
+`01c_merged/<split>.jsonl` must be a JSON object (that a parser can take) with a
 non-empty string `id` (unique in the split), a `source`, `input_ids` a non-empty list of ints in
 `[0, vocab_size)` and `loss_mask` a list of 0/1 of the same length (`seq_len`, when present,
 equal to it). A bad line keeps its index (its slot is None), so that every other record keeps
@@ -49,6 +50,32 @@ def record_problem(rec, vocab_size: int) -> str | None:
     return tokenized_problem(rec, vocab_size)
 
 
+def merged_line(raw: bytes, n: int, vocab_size: int,
+                first_line: dict[str, int]) -> tuple[str, object, str | None]:
+    """(key, parsed line, problem or None) of line `n` (from 1) of a merged split: the one check
+    of a merged line, run by 02b and 03 alike. The problem (`kind: detail`) is bad JSON (a
+    `torn line` when it is the last and has no newline; nesting too deep to parse), a line that
+    is not a record (`record_problem`), or an id already on an earlier line (`first_line`:
+    id -> line, filled in with each good line). The key is the record's id, `line <n>` when it
+    has none, `<id>@line <n>` for a repeated one."""
+    key, rec = f"line {n}", None
+    try:
+        rec = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        kind = "torn line" if not raw.endswith(b"\n") else "bad json"
+        detail = "nested too deep to parse" if isinstance(e, RecursionError) else e
+        return key, None, f"{kind}: {detail}"
+    problem = record_problem(rec, vocab_size)
+    if isinstance(rec, dict) and isinstance(rec.get("id"), str) and rec["id"]:
+        key = rec["id"]
+    if problem is None and key in first_line:
+        return (f"{key}@line {n}", rec,
+                f"duplicate id: {key!r} is on lines {first_line[key]} and {n}")
+    if problem is None:
+        first_line[key] = n
+    return key, rec, problem
+
+
 def read_split(path: Path, split: str, vocab_size: int, bad: BadRecords) -> list[dict | None]:
     """The records of a merged split file, one slot per non-blank line; a line that cannot be
     extracted is None and listed in `bad` (which raises TooManyBad past its budget)."""
@@ -58,24 +85,12 @@ def read_split(path: Path, split: str, vocab_size: int, bad: BadRecords) -> list
         for n, raw in enumerate(f, start=1):  # streams: merged files reach several GB
             if not raw.strip():
                 continue
-            key, problem, rec = f"line {n}", None, None
-            try:
-                rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                problem = f"bad json: {e}"
-            if problem is None:
-                problem = record_problem(rec, vocab_size)
-                if isinstance(rec, dict) and isinstance(rec.get("id"), str) and rec["id"]:
-                    key = rec["id"]
-            if problem is None and key in first_line:
-                problem = f"duplicate id: {key!r} is on lines {first_line[key]} and {n}"
-                key = f"{key}@line {n}"
+            key, rec, problem = merged_line(raw, n, vocab_size, first_line)
             if problem is not None:
                 kind, detail = problem.split(": ", 1)
                 bad.add(skip_key(split, key), f"{kind}: {path} line {n}: {detail}", file=path)
                 records.append(None)
                 continue
-            first_line[key] = n
             records.append(rec)
     return records
 

@@ -43,8 +43,12 @@ tried again, after a backoff and under a new rid, up to `max_attempts` times, th
 its reasons to `<split>/failures.jsonl` (the stage stays incomplete; a re-run retries it). Every
 wait has a deadline: the request timeout (`--request-timeout-s`), `--dump-wait-s`, `--server-wait-s`. States with NaN
 or Inf skip the record as bad (`eagle3/extract/checks.py`; not requested again). Files that
-fail `--verify-against-hf` are removed before the stage stops (VerificationFailed), so that a
-re-run extracts them again instead of keeping them as good. A server that
+fail `--verify-against-hf`, and any the run wrote without verifying them, are removed with their
+index lines before the stage stops (VerificationFailed), so that a re-run extracts them again
+instead of keeping them as good. A server that is up but does not answer the API (every
+attempt of a request an empty or non-JSON 200, or no answer within the request deadline: before
+any answer, or for `max_attempts` records in a row) stops the run in one line: it is the
+server, not the records. A server that
 stops answering (restart, crash) is waited for, its flags are checked again, and the requests in
 flight are re-sent without counting against their records. A stop signal lets the records in
 flight finish and starts no new one.
@@ -71,6 +75,7 @@ from eagle3.core.preflight import PreflightError, raise_on_errors
 from eagle3.core.progress import human_bytes
 from eagle3.core.server import (
     MODEL_INFO_PATHS,
+    PROBE_TIMEOUT_S,
     RetryPolicy,
     ServerError,
     generate,
@@ -82,7 +87,7 @@ from eagle3.core.target import TargetInfo
 from eagle3.extract import hf, sglang_dump
 from eagle3.extract.checks import BadStates
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.dump_server import check_dump_server
+from eagle3.extract.dump_server import SilenceWatch, check_dump_server
 from eagle3.extract.dumps import (
     Expected,
     SampleError,
@@ -106,6 +111,7 @@ from eagle3.extract.writer import (
 
 log = logging.getLogger(__name__)
 
+PROBE_FLOOR_S = 5.0  # the shortest wait of a flags or readiness probe (see SglangExtractor)
 SERVER_FLAGS_RECORDED = ("model_path", "tp_size", "disable_radix_cache", "chunked_prefill_size",
                          "max_prefill_tokens", "enable_mixed_chunk", "cuda_graph_backend_prefill",
                          "disable_piecewise_cuda_graph", "version")
@@ -192,6 +198,12 @@ class SglangExtractor:
         self.concurrency = cfg.concurrency
         self.restarts = 0
         self._any_success = False
+        # Reading the flags and asking whether the server is up wait no longer than a request
+        # may (--request-timeout-s), so that a server that holds every connection ends the run
+        # within that bound too; but at least PROBE_FLOOR_S, so that a short request deadline
+        # does not take a busy server for a dead one.
+        self._probe_s = min(PROBE_TIMEOUT_S, max(cfg.request_timeout_s, PROBE_FLOOR_S))
+        self._silence = SilenceWatch(self.url, cfg.max_attempts)
 
     async def __aenter__(self) -> SglangExtractor:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -223,9 +235,13 @@ class SglangExtractor:
         """The server's `/server_info`, checked for the dump (check_dump_server); an answer that
         is not its flags (an HTML page, no answer) is an ExtractError naming the URL."""
         try:
-            info = await get_server_info(self._session, self.url)
+            info = await get_server_info(self._session, self.url, self._probe_s)
         except ServerError as e:
             raise ExtractError(f"{what}: cannot read its flags: {e}") from None
+        if not info:  # SGLang's /server_info always holds its ServerArgs
+            raise ExtractError(f"{what}: cannot read its flags: {self.url}/server_info answered "
+                               "HTTP 200 with no flags (an empty body or {}): is --server-url "
+                               "the patched SGLang server (and port)?")
         try:
             raise_on_errors(check_dump_server(info), what)
         except PreflightError as e:
@@ -242,21 +258,39 @@ class SglangExtractor:
             await self._run(head, writer, prog, failures)
             report = None
             if verify is not None and verify_n and not writer.stopping:
-                idxs = [i for i in range(min(verify_n, len(writer.records))) if i in writer.done]
-                loop = asyncio.get_running_loop()
-                try:
-                    report = await loop.run_in_executor(None, verify, writer, idxs)
-                except VerificationFailed as e:  # written, then found wrong: never left as good
-                    removed = writer.discard(e.idxs)
-                    raise ExtractError(f"{e} Removed the {len(removed)} files that failed "
-                                       f"(first: {removed[0]}); the re-run extracts them "
-                                       "again") from None
+                report = await self._verify(writer, verify, verify_n)
             await self._run([i for i in pending if i >= verify_n], writer, prog, failures)
         except BaseException:
             writer.abandon()  # failures.jsonl is already on disk (written at each failure)
             raise
         failures.close(writer)
         return writer.close(), report
+
+    async def _verify(self, writer: SplitWriter, verify: Callable, verify_n: int) -> list:
+        """`--verify-against-hf` on the files of the first `verify_n` records; its report.
+
+        Nothing the run wrote stays as good unless it passed: when a file fails, the stage
+        stops after removing the files that failed and every file this run wrote that was not
+        verified (their index lines too), so that a re-run extracts them again; when the
+        verifier itself cannot finish, every file this run wrote is removed before its error
+        goes on."""
+        idxs = [i for i in range(min(verify_n, len(writer.records))) if i in writer.done]
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, verify, writer, idxs)
+        except VerificationFailed as e:  # written, then found wrong: never left as good
+            unverified = sorted(writer.written_now - set(idxs))
+            removed = writer.discard([*e.idxs, *unverified])
+            also = f" and the {len(unverified)} written unverified" if unverified else ""
+            raise ExtractError(f"{e} Removed the {len(e.idxs)} files that failed{also} "
+                               f"(first: {removed[0]}); the re-run extracts them again") from None
+        except BaseException:
+            removed = writer.discard(sorted(writer.written_now))
+            if removed:
+                log.error("verification did not finish: removed the %d files this run wrote "
+                          "(first: %s); the re-run extracts them again", len(removed),
+                          removed[0])
+            raise
 
     async def _run(self, idxs: list[int], writer: SplitWriter, prog: ExtractProgress,
                    failures: FailureLog) -> None:
@@ -356,10 +390,13 @@ class SglangExtractor:
         while True:
             try:
                 async with self._slots:
-                    return await generate(self._session, self.url, ids, rid,
-                                          {"max_new_tokens": 1}, self.tuning.retry)
+                    answer = await generate(self._session, self.url, ids, rid,
+                                            {"max_new_tokens": 1}, self.tuning.retry)
+                self._silence.answered()
+                return answer
             except ServerError as e:
                 if await self._is_up():
+                    self._silence.check(e, rid, self.tuning.retry.timeout_s)
                     raise SampleError(f"server error: {e}"[:500]) from e
                 downs += 1
                 if downs > self.cfg.max_attempts:
@@ -368,7 +405,7 @@ class SglangExtractor:
 
     async def _is_up(self) -> bool:
         try:
-            await get_json(self._session, self.url, MODEL_INFO_PATHS, timeout_s=30.0)
+            await get_json(self._session, self.url, MODEL_INFO_PATHS, timeout_s=self._probe_s)
             return True
         except ServerError:
             return False
@@ -382,7 +419,7 @@ class SglangExtractor:
                         self.url, self.cfg.server_wait_s)
             try:
                 await wait_ready(self._session, self.url, timeout_s=self.cfg.server_wait_s,
-                                 poll_s=self.tuning.poll_s, request_timeout_s=30.0)
+                                 poll_s=self.tuning.poll_s, request_timeout_s=self._probe_s)
             except ServerError:
                 raise ExtractError(f"server {self.url} did not come back within "
                                    f"{self.cfg.server_wait_s:.0f}s; restart it and re-run "

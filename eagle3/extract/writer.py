@@ -89,12 +89,15 @@ class SplitWriter:
         self.skipped = {i for i, r in enumerate(records)
                         if r is None or self.key(i) in self.bad.seen}
         self.done = self._scan()  # idx -> {"idx", "id", "tokens", "bytes", "sha256"}
-        self._index = JsonlAppender(self.root / INDEX_FILE)
+        # Opened at the first line logged: a split the run never reached gets no index, so that
+        # a stopped run leaves no index that a complete one would not write the same.
+        self._index: JsonlAppender | None = None
         for entry in self.done.values():
             if entry.pop("unlogged", False):
                 self._log(entry)
         self._flush_index()
         self.counts = ExtractCounts(skipped_existing=len(self.done))
+        self.written_now: set[int] = set()  # records whose file this run wrote
 
     def path(self, idx: int) -> Path:
         return hs.file_path(self.root, idx)
@@ -123,22 +126,31 @@ class SplitWriter:
                  "sha256": sha256 or file_sha256(self.path(idx))}
         self._log(entry)
         self.done[idx] = entry
+        self.written_now.add(idx)
         self.counts.written += 1
         self.counts.written_tokens += tokens
         self.counts.written_bytes += nbytes
 
     def discard(self, idxs: list[int]) -> list[Path]:
         """Remove the files of records `idxs` (found wrong after they were written): they are
-        no longer done, and a re-run extracts them again. Returns the paths removed."""
+        no longer done, their index lines go too (the index is rewritten from what is left, so
+        that it never lists a file that is not there), and a re-run extracts them again.
+        Returns the paths removed."""
         removed = []
-        for idx in idxs:
+        for idx in sorted(set(idxs)):
             entry = self.done.pop(idx, None)
             self.path(idx).unlink(missing_ok=True)
             removed.append(self.path(idx))
-            if entry is not None and self.counts.written:
+            if entry is None:
+                continue
+            if idx in self.written_now:
+                self.written_now.discard(idx)
                 self.counts.written -= 1
                 self.counts.written_tokens -= entry["tokens"]
                 self.counts.written_bytes -= entry["bytes"]
+            else:  # a file of an earlier run
+                self.counts.skipped_existing -= 1
+        self._rewrite_index()
         return removed
 
     def skip(self, idx: int, reason: str) -> None:
@@ -148,9 +160,7 @@ class SplitWriter:
 
     def close(self) -> ExtractCounts:
         """Rewrite the log in idx order; returns the counts with the totals of every file."""
-        self._flush_index(close=True)
-        lines = (json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in sorted(self.done))
-        atomic_write_bytes(self.root / INDEX_FILE, "".join(lines).encode())
+        self._rewrite_index()
         c = self.counts
         c.tokens = sum(e["tokens"] for e in self.done.values())
         c.bytes = sum(e["bytes"] for e in self.done.values())
@@ -162,22 +172,37 @@ class SplitWriter:
         """After an error: hand the logged lines to the OS, best effort (a full disk may refuse
         them; those files then count as unlogged on resume and are hashed again)."""
         try:
-            self._index.close()
+            if self._index is not None:
+                self._index.close()
+                self._index = None
         except OSError as e:
             log.warning("%s: could not flush the index (%s); the resume re-reads those files",
                         self.root / INDEX_FILE, e)
 
     def _log(self, entry: dict) -> None:
         try:
+            if self._index is None:
+                self._index = JsonlAppender(self.root / INDEX_FILE)
             self._index.write(entry)
         except OSError as e:
             raise self._disk_error(e, entry) from e
 
     def _flush_index(self, close: bool = False) -> None:
+        if self._index is None:
+            return
         try:
             self._index.close() if close else self._index.flush()
         except OSError as e:
             raise self._disk_error(e, None) from e
+        if close:
+            self._index = None
+
+    def _rewrite_index(self) -> None:
+        """The index rewritten whole from `done`, in idx order (atomic); appending resumes
+        on the new file at the next line logged."""
+        self._flush_index(close=True)
+        lines = (json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in sorted(self.done))
+        atomic_write_bytes(self.root / INDEX_FILE, "".join(lines).encode())
 
     def _disk_error(self, exc: OSError, entry: dict | None) -> OSError | DiskError:
         if not is_disk_error(exc):

@@ -14,8 +14,9 @@ the answer of another request (`meta_info.id` naming another rid), a count that 
 at, an empty reply, a body without the API's fields (a `prompt_tokens` that is not a count is
 none; a null `completion_tokens` is not reported, not a contradiction). These are
 eagle3.core.server's `check_generated` and `check_rid`, the checks 05 runs on its answers. A
-`text` that disagrees with the ids is named (a warning, `text_mismatch` in the counts, the text
-kept in raw.jsonl) and the ids are taken: they are what the target produced.
+`text` that disagrees with the ids is named and the ids are taken: they are what the target
+produced, the text is informational (a warning; the raw line keeps the text and the reason, from
+which the stage lists the record in `<dataset>/text_mismatch.jsonl` and counts it).
 
 The openai backend likewise retries a reply without a finish reason (cut or aborted) and one
 longer than `max_tokens`: by `usage.completion_tokens`, and by the tokens of its content and
@@ -63,6 +64,8 @@ from eagle3.core.server import (
 from eagle3.generate.jobs import GenerationJob, generated_record
 
 log = logging.getLogger(__name__)
+
+TEXT_MISMATCH = "text_mismatch"  # the raw line's field holding a disagreeing text's reason
 
 
 class RecordFailure(ValueError):
@@ -131,7 +134,6 @@ class SGLangBackend:
             raise RecordFailure(f"unknown finish reason {reason!r}")
         check_output_ids(job, output, meta, reason, self.vocab_size)
         matched = reason.get("matched") if isinstance(reason, dict) else None
-        text = self._disagreeing_text(job, answer.get("text"), output, matched)
         if kind == "stop" and not output and not isinstance(matched, int):
             raise BadAnswer("empty reply: finish_reason stop with no output id and no matched "
                             "stop token")
@@ -143,27 +145,34 @@ class SGLangBackend:
             self.stats["appended_stop_token"] += 1
         raw = {"id": job.id, "backend": self.name, "output_ids": output, "finish_reason": kind,
                "meta_info": meta}
-        if text is not None:
-            raw["text_disagreeing_with_ids"] = text
+        # Last: only an answer that becomes the record is named (a retried one is not).
+        mismatch = self._text_mismatch(job, answer.get("text"), output, matched)
+        if mismatch is not None:
+            raw["text_disagreeing_with_ids"], raw[TEXT_MISMATCH] = answer["text"], mismatch
         return generated_record(job, output, kind), raw
 
-    def _disagreeing_text(self, job: GenerationJob, text, output: list[int],
-                          matched) -> str | None:
-        """The answer's `text` when it is not what its ids decode to (named and counted; the
-        ids are kept), else None. The matched stop token is not in SGLang's text, and a reply
-        cut inside a character ends in U+FFFD on one side only."""
+    def _text_mismatch(self, job: GenerationJob, text, output: list[int],
+                       matched) -> str | None:
+        """The reason (`text mismatch: ...`) when the answer's `text` is not what its ids
+        decode to (the ids are kept), else None. The matched stop token is not in SGLang's
+        text, and a reply cut inside a character ends in U+FFFD on one side only."""
         if self.decode is None or not isinstance(text, str):  # not reported
             return None
         ids = output[:-1] if isinstance(matched, int) and output[-1:] == [matched] else output
-        if self.decode(ids).rstrip("\ufffd") == text.rstrip("\ufffd"):
+        decoded, said = self.decode(ids).rstrip("\ufffd"), text.rstrip("\ufffd")
+        if decoded == said:
             return None
+        at = next((i for i, (a, b) in enumerate(zip(decoded, said)) if a != b),
+                  min(len(decoded), len(said)))
         self.stats["text_mismatch"] += 1
         if self.stats["text_mismatch"] <= 3:
             log.warning("record %s: the answer's text disagrees with its output_ids (the ids "
-                        "are kept; raw.jsonl holds the text)%s", job.id,
+                        "are kept; listed in text_mismatch.jsonl)%s", job.id,
                         "; further ones are counted only" if self.stats["text_mismatch"] == 3
                         else "")
-        return text
+        return (f"text mismatch: the answer's text ({len(said)} characters) is not what its "
+                f"{len(ids)} output ids decode to ({len(decoded)}), from character {at}: text "
+                f"{said[at:at + 40]!r}, ids {decoded[at:at + 40]!r}; the ids are kept")
 
     async def abort(self, session: aiohttp.ClientSession, job: GenerationJob) -> None:
         """Best effort: ask every server to drop an abandoned request (SGLang `/abort_request`)."""

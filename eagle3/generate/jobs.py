@@ -19,7 +19,8 @@ Files per dataset (append-only JSONL, resumed by record id, a torn last line cut
 `tokenized.jsonl` (the records), `raw.jsonl` (every answer as received, `kept` telling whether
 it became a record; after a kill between the two writes a raw line may repeat, the last one
 wins), `failures.jsonl` (records that failed for good this run, with the reason) and
-`quarantine.jsonl` (conversations that cannot be rendered). A record is done when it is in
+`quarantine.jsonl` (conversations that cannot be rendered); `text_mismatch.jsonl` lists the
+records kept whose server's text disagreed with their ids (built from `raw.jsonl`). A record is done when it is in
 `tokenized.jsonl` or its raw answer says `"kept": false` (dropped on purpose, e.g. cut by the
 length limit under `--no-keep-length`). Lines are appended as answers complete; once every job
 of a dataset has its answer, `write_in_job_order` rewrites the three files in the order of the
@@ -41,7 +42,7 @@ from typing import Iterator
 from eagle3.core.chat import ChatRenderer, RenderError, split_for_generation
 from eagle3.core.faults import DiskError, disk_errors_named
 from eagle3.core.records import JsonlAppender, TokenizedRecord
-from eagle3.core.stage import atomic_writer
+from eagle3.core.stage import atomic_write_bytes, atomic_writer
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,36 @@ def generated_record(job: GenerationJob, output_ids: list[int], finish_reason: s
     return TokenizedRecord(job.id, job.source, job.prompt_ids.tolist() + output_ids,
                            [0] * len(job.prompt_ids) + [1] * len(output_ids),
                            len(job.prompt_ids), finish_reason).to_json()
+
+
+TEXT_MISMATCH_LIST = "text_mismatch.jsonl"
+
+
+def list_text_mismatches(out_dir: Path) -> dict:
+    """`<out_dir>/text_mismatch.jsonl`: the records kept whose answer's text disagreed with its
+    output ids, one `{"id", "file", "reason"}` line each (the skip list's shape), rebuilt from
+    `raw.jsonl` (the last line of each id, as `write_in_job_order` leaves it), so that a
+    resumed run lists those of every run; removed when there are none. Returns the manifest's
+    counts: `text_mismatch`, `text_mismatch_list` (None when empty), `text_mismatch_first`."""
+    raw_path, path = Path(out_dir) / "raw.jsonl", Path(out_dir) / TEXT_MISMATCH_LIST
+    rows: dict[str, dict] = {}
+    if raw_path.exists():
+        with raw_path.open("rb") as f:
+            for line in f:  # streams; only the lines naming a mismatch are parsed
+                if b'"text_mismatch": "' not in line or not line.endswith(b"\n"):
+                    continue
+                raw = json.loads(line)
+                if raw.get("kept") and isinstance(raw.get("text_mismatch"), str):
+                    rows[raw["id"]] = {"id": raw["id"], "file": str(raw_path),
+                                       "reason": raw["text_mismatch"]}
+    if rows:
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values())
+        atomic_write_bytes(path, lines.encode())
+    else:
+        path.unlink(missing_ok=True)
+    first = next(iter(rows.values()), None)
+    return {"text_mismatch": len(rows), "text_mismatch_list": str(path) if rows else None,
+            "text_mismatch_first": f"{first['id']}: {first['reason']}" if first else None}
 
 
 class RecordSink:

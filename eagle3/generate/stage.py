@@ -31,6 +31,7 @@ from eagle3.generate.jobs import (
     build_job,
     done_ids,
     line_ids,
+    list_text_mismatches,
     padding_id,
     run_generation,
     tokenize_kept,
@@ -91,16 +92,19 @@ def regenerate(name: str, jobs: list, cfg: GenerateConfig, out_dir: Path, genera
                                       cfg.long_context_threshold, cfg.max_attempts,
                                       cfg.server_down_timeout_s, cfg.poll_s,
                                       cfg.probe_timeout_s)
-            t0 = time.monotonic()
+            t0, before = time.monotonic(), dict(generator.stats)
             counts = run_remote(todo, generator, sink, runner_cfg, generator.policy, bar)
             counts.update(sink.counts, seconds=round(time.monotonic() - t0, 1),
-                          servers=dict(generator.pool.sent), **generator.stats)
+                          servers=dict(generator.pool.sent),  # the backend's stats: this dataset's
+                          **{k: v - before.get(k, 0) for k, v in generator.stats.items()})
     finally:  # the bar first: a stop's last line on stderr is then the stage's own
         bar.close()
         sink.close()
     ids = [j.id for j in jobs]  # every job answered: the files in conversation order
     for f in ("tokenized.jsonl", "raw.jsonl", "failures.jsonl"):
         write_in_job_order(out_dir / f, ids)
+    if not hf:  # every run's, from raw.jsonl (a resumed run lists the earlier ones too)
+        counts.update(list_text_mismatches(out_dir))
     counts.update(resumed=len(done), failure_reasons=sink.failure_reasons, jobs=len(jobs))
     return counts
 
@@ -182,9 +186,12 @@ def summary_rows(outputs: dict, seconds: float, disk: int) -> dict:
                                             f"decode steps from {f['graphs']} CUDA graphs"
                                             + (f"; eager: {f['eager_reason']}"
                                                if f["eager_reason"] else ""))
-            if c.get("text_mismatch"):
-                rows[f"{n} text disagreeing with its ids"] = (
-                    f"{c['text_mismatch']} (ids kept; raw.jsonl: text_disagreeing_with_ids)")
+            if c.get("text_mismatch"):  # named here: a run at --log-level ERROR logs nothing
+                most = (" MOST DISAGREE: does the server serve --target's tokenizer?"
+                        if 2 * c["text_mismatch"] > c["records"] else "")
+                rows[f"{n} text disagreeing with its ids (ids kept)"] = (
+                    f"{c['text_mismatch']}, listed in {c['text_mismatch_list']}; first "
+                    f"{c['text_mismatch_first'][:120]}{most}")
             for reason, k in c["failure_reasons"].items():
                 rows[f"{n} failed: {reason[:40]}"] = k
     rows.update(time=human_seconds(seconds), disk=human_bytes(disk))

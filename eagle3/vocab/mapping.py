@@ -17,15 +17,15 @@ the report gives it apart, and warns when dataset-written text chose part of the
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eagle3.core.faults import BadRecords
+from eagle3.core.faults import BadRecords, InputFileError
 from eagle3.core.records import read_jsonl, tokenized_problem
 from eagle3.core.stage import STAGE_DIRS, read_manifest
+from eagle3.extract.checks import merged_line
 
 MAPPING_FILE = "vocab_mapping.safetensors"  # 03's output, in 03_vocab/
 ORIGINS = ("target", "dataset", "unknown")
@@ -72,8 +72,9 @@ def count_supervised_by_origin(path: Path, target_vocab: int, regenerated: dict[
 
     Streams the file; supervised ids are buffered up to `chunk_tokens` and then counted with one
     `bincount`, so memory is O(target_vocab + chunk_tokens) whatever the file size. A bad line
-    (torn, blank, not JSON, wrong types, ids outside the target vocab) goes to `bad`, the stage's skip
-    list, and counts nothing; without `bad` it raises VocabError (RecordError for bad JSON).
+    (torn, blank, not JSON or too deeply nested to parse, wrong types, no source, ids outside
+    the target vocab, an id already on an earlier line) goes to `bad`, the stage's skip list,
+    and counts nothing; without `bad` it raises VocabError (RecordError for bad JSON).
     """
     counts = np.zeros((len(ORIGINS), target_vocab), dtype=np.int64)
     pending: list[np.ndarray] = []
@@ -93,40 +94,49 @@ def count_supervised_by_origin(path: Path, target_vocab: int, regenerated: dict[
 
 
 def _good_records(path: Path, target_vocab: int, bad: BadRecords | None, bar):
-    """The records of a merged JSONL that pass `tokenized_problem`; the others go to `bad` under
-    their id (`line N` when the line has none), or raise when `bad` is None."""
+    """The records of a merged JSONL that pass 02b's check of a merged line (`merged_line`:
+    JSON, the record contract with its `source`, an id not on an earlier line); the others go
+    to `bad` under their key (the id, `line N` when the line has none, `id@line N` for a
+    repeated id), or raise when `bad` is None (then only `tokenized_problem` is checked)."""
     if bad is None:
-        lines = ((n, rec, None) for n, rec in enumerate(read_jsonl(path), start=1))
-    else:
-        lines = _parsed_lines(path)
-    for n, rec, parse_problem in lines:
-        problem = parse_problem or tokenized_problem(rec, target_vocab)
-        if bar is not None:
-            bar.update(1)
-        if problem is None:
+        for rec in read_jsonl(path):
+            if (problem := tokenized_problem(rec, target_vocab)) is not None:
+                raise VocabError(f"record {rec.get('id') if isinstance(rec, dict) else None}: "
+                                 f"{problem}")
+            if bar is not None:
+                bar.update(1)
             yield rec
-            continue
-        rec_id = rec.get("id") if isinstance(rec, dict) else None
-        if bad is None:
-            raise VocabError(f"record {rec_id}: {problem}")
-        bad.add(rec_id if isinstance(rec_id, str) else f"line {n}", f"{problem} (line {n})",
-                path)
-
-
-def _parsed_lines(path: Path):
-    """(line number, parsed JSON or None, problem or None) of each line. A blank line is damage
-    (01c writes none), as 01c's merge counts one in its own inputs."""
+        return
+    first_line: dict[str, int] = {}
     with Path(path).open("rb") as f:
         for n, raw in enumerate(f, start=1):  # streams: merged files reach several GB
-            if not raw.strip():
-                yield n, None, (f"empty line: {len(raw)} bytes of blanks; 01c writes none, so "
-                                "the file was damaged")
+            if bar is not None:
+                bar.update(1)
+            if not raw.strip():  # damage: 01c writes none (as 01c's merge counts its inputs')
+                key, rec, problem = f"line {n}", None, (
+                    f"empty line: {len(raw)} bytes of blanks; 01c writes none, so the file "
+                    "was damaged")
+            else:
+                key, rec, problem = merged_line(raw, n, target_vocab, first_line)
+            if problem is None:
+                yield rec
                 continue
-            try:
-                yield n, json.loads(raw), None
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                kind = "torn line" if not raw.endswith(b"\n") else "bad json"
-                yield n, None, f"{kind}: {e}"
+            bad.add(key, f"{problem} (line {n})", path)
+
+
+def check_merged_count(path: Path, lines: int, upstream: dict | None, manifest: Path,
+                       first_bad: str | None) -> None:
+    """InputFileError unless the merged split holds the records the merge wrote (its
+    manifest's `outputs.<split>`, when it has that count): a line added or removed since is
+    damage no line check may see (a valid-looking record), and the file is not the merge's."""
+    outputs = (upstream or {}).get("outputs") or {}
+    want = outputs.get(Path(path).stem)
+    if not (upstream or {}).get("complete") or type(want) is not int or want == lines:
+        return
+    raise InputFileError(path, f"{lines:,} lines, but the merge wrote {want:,} records "
+                               f"({manifest}): the file changed after the merge"
+                               + (f" (first bad line: {first_bad})" if first_bad else "")
+                               + "; restore it or re-run the merge with --force")
 
 
 def _bincount(pending: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:

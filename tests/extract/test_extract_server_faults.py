@@ -5,7 +5,10 @@ never a hang and never a wrong file; NaN states are skipped as bad; SIGTERM stop
 
 And a server that lies: a dump must prove it belongs to its request (its input_ids, its dtype),
 what sits at a dump's path is read only as a plain file of a dump's size, and a server that is not
-the dump server (or a run that cannot go on) ends the script in one line, exit 1."""
+the dump server (or a run that cannot go on) ends the script in one line, exit 1: one whose
+states fail `--verify-against-hf` leaves nothing a clean run would not write (no file, no index
+line of a removed file), one that answers empty bodies or never answers stops after one
+request's retries, within a bound computed from the deadlines."""
 
 from __future__ import annotations
 
@@ -28,16 +31,17 @@ from extract_helpers import (
     write_merged,
 )
 from fake_dump_server import FakeDumpServer, Faults
-from fault_helpers import fill_disk, small_disk
+from fault_helpers import fill_disk, silent_server, small_disk
 
 from eagle3.core.faults import DiskError, script_main
+from eagle3.core.hidden_states import file_path
 from eagle3.core.records import read_jsonl
 from eagle3.core.server import RetryPolicy
 from eagle3.core.stage import file_sha256
 from eagle3.core.target import default_capture_layers, read_target_info
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.sglang import ClientTuning, Expected, extract_sglang, make_rid
-from eagle3.extract.writer import SplitWriter
+from eagle3.extract.writer import INDEX_FILE, SplitWriter
 
 N_TRAIN = 6
 BAD = 4  # the faulted record's line (48 tokens: one full chunk)
@@ -341,3 +345,118 @@ def test_request_timeout_flag_bounds_the_wait_for_an_answer_that_never_comes(
     assert rc == 0, line
     assert time.monotonic() - t0 < 30  # the 0.5 s deadline, not the 60 s hang
     assert_good_files(workdir, reference)
+
+
+def test_a_run_that_fails_verify_against_hf_leaves_nothing_a_clean_run_would_not_write(
+        merged, reference, tiny_target_dir, target_model, layers, tmp_path, capsys):
+    workdir = copy_merged(merged, tmp_path / "w")
+    shifted = [c + 1 for c in layers]  # announces the right layers, captures the next ones
+    with FakeDumpServer(target_model, tmp_path / "dump", layers, state_layers=shifted) as s:
+        rc, line = run_script(workdir, tiny_target_dir, s, capsys, "--verify-against-hf", "2",
+                              "--splits", "train", "eval")
+    assert rc == 1 and "differ from the transformers forward" in line
+    # Every file left is the clean run's; every index line names a file that is there, with
+    # the clean run's line; a split never reached has no index.
+    for path in sorted(p for p in (workdir / STAGE).rglob("*") if p.is_file()):
+        rel = path.relative_to(workdir / STAGE)
+        if path.name == INDEX_FILE:
+            clean = (reference / STAGE / rel).read_text().splitlines()
+            for entry in read_jsonl(path):
+                assert json.dumps(entry, ensure_ascii=False) in clean, (rel, entry)
+                assert file_path(path.parent, entry["idx"]).exists(), (rel, entry)
+        else:
+            assert path.name.startswith("data_"), rel
+            assert path.read_bytes() == (reference / STAGE / rel).read_bytes(), rel
+    assert not (workdir / STAGE / "eval" / INDEX_FILE).exists()
+
+
+def test_files_written_before_a_verifier_that_cannot_finish_are_removed(
+        merged, tiny_target_dir, server, layers, tmp_path):
+    workdir = copy_merged(merged, tmp_path / "w")
+    cfg = ExtractConfig(target=tiny_target_dir, dump_dir=server.dump_config.dump_dir,
+                        server_url=server.url, concurrency=3, dump_wait_s=0.3,
+                        verify_against_hf=2)
+    tuning = ClientTuning(poll_s=0.1, retry=RetryPolicy(max_retries=1, base_delay_s=0.02,
+                                                        timeout_s=5.0))
+    writer = SplitWriter(workdir / STAGE / "train",
+                         list(read_jsonl(workdir / "01c_merged/train.jsonl")))
+    expected = Expected(read_target_info(tiny_target_dir).hidden_size, tuple(layers),
+                        tiny_target_dir)
+
+    def verifier_that_fails(writer, idxs):  # an out-of-memory, a bug: nothing verified
+        raise RuntimeError("the verifier broke")
+
+    with pytest.raises(RuntimeError, match="the verifier broke"):
+        asyncio.run(extract_sglang(cfg, expected, {"train": writer}, verifier_that_fails,
+                                   tuning=tuning))
+    assert data_files(workdir) == []  # written unverified: not kept as good
+    assert list(read_jsonl(workdir / STAGE / "train" / INDEX_FILE)) == []
+
+
+def run_within(limit_s: float, workdir: Path, target: Path, url: str, dump_dir: Path, capsys,
+               *extra: str) -> tuple[int, str, float]:
+    """02b through its entry point in a thread given `limit_s`: (exit code, its error lines,
+    seconds); a run still going at the limit fails the test (left to end on its own)."""
+    argv = ["--workdir", str(workdir), "--target", str(target), "--server-url", url,
+            "--dump-dir", str(dump_dir), "--dump-wait-s", "0.3", "--splits", "train",
+            "--server-wait-s", "5", *extra]
+    capsys.readouterr()
+    result: dict = {}
+
+    def run():
+        result["rc"] = script_main(lambda: main_02b()(argv), "02b")
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    seconds = time.monotonic() - t0
+    if thread.is_alive():
+        pytest.fail(f"02b still running after {limit_s:.0f}s")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return result["rc"], "\n".join(x for x in err.splitlines() if x.startswith("02b: ")), seconds
+
+
+def retry_bound_s(timeout_s: float) -> float:
+    """The longest one request's retries may take (02b's default per-request policy: each
+    attempt's deadline, each backoff at its largest jitter), plus 30 s for a busy machine."""
+    policy = ClientTuning().resolved(ExtractConfig(target=Path("t"), dump_dir=Path("d"),
+                                                   request_timeout_s=timeout_s)).retry
+    backoffs = sum(min(policy.max_delay_s, policy.base_delay_s * 2 ** (a - 1)) * 1.5
+                   for a in range(1, policy.max_retries + 1))
+    return (policy.max_retries + 1) * policy.timeout_s + backoffs + 30.0
+
+
+def test_a_server_answering_empty_bodies_stops_02b_after_one_requests_retries_in_one_line(
+        merged, tiny_target_dir, server, tmp_path, capsys):
+    server.faults.empty_answer = True
+    limit = retry_bound_s(600.0) - 6 * 600.0  # empty answers come at once: no deadline waited
+    rc, line, _ = run_within(limit, copy_merged(merged, tmp_path / "w"), tiny_target_dir,
+                             server.url, server.dump_config.dump_dir, capsys)
+    assert rc == 1 and line.startswith("02b: error: ") and "\n" not in line
+    assert server.url in line and "empty body" in line and "does not answer the API" in line
+    assert len(server.generate_calls) == 6  # the first request's 6 attempts, nothing more
+
+
+@pytest.mark.parametrize("holds", ["every /generate", "every connection"])
+def test_a_server_that_never_answers_ends_02b_within_the_request_timeout_and_its_retries(
+        merged, tiny_target_dir, server, tmp_path, capsys, holds):
+    timeout_s = 0.2
+    workdir = copy_merged(merged, tmp_path / "w")
+    if holds == "every /generate":
+        server.faults.hang = {rid(merged, i): 99 for i in range(N_TRAIN)}
+        server.faults.hang_s = 3600.0
+        rc, line, seconds = run_within(retry_bound_s(timeout_s), workdir, tiny_target_dir,
+                                       server.url, server.dump_config.dump_dir, capsys,
+                                       "--request-timeout-s", str(timeout_s))
+        assert "accepts requests but answers none" in line and "--request-timeout-s" in line
+        assert 1 <= len(server.generate_calls) <= 6  # one request's attempts
+    else:
+        with silent_server() as url:
+            rc, line, seconds = run_within(retry_bound_s(timeout_s), workdir, tiny_target_dir,
+                                           url, server.dump_config.dump_dir, capsys,
+                                           "--request-timeout-s", str(timeout_s))
+        assert url in line and "cannot read its flags" in line
+    assert rc == 1 and line.startswith("02b: error: ") and "\n" not in line
+    assert data_files(workdir) == []

@@ -253,6 +253,33 @@ def test_a_text_that_disagrees_with_its_ids_is_named_and_the_ids_are_kept(
     assert sum("text_disagreeing_with_ids" in r for r in raw.values()) == 1
 
 
+def test_a_text_that_disagrees_with_its_ids_is_listed_with_its_reason_and_named_in_the_summary(
+        tmp_path, tiny_target_dir, tokenizer, capsys):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    convs = {"ds": synthetic_conversations(3, "ds"), "ds2": synthetic_conversations(2, "ds2")}
+    write_prepared_stage(tmp_path, convs)
+    liar = convs["ds"][1]["id"]
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    with RuleBreaker("text", only=liar, eos_id=eos, decode=decode) as s:
+        capsys.readouterr()
+        assert _main(_argv(tmp_path, tiny_target_dir, s.url)) == 0
+    out = capsys.readouterr().out
+    listed = tmp_path / STAGE / "ds/text_mismatch.jsonl"
+    (line,) = read_jsonl(listed)  # the skip list's shape: id, file, reason
+    assert line["id"] == liar and line["file"] == str(tmp_path / STAGE / "ds/raw.jsonl")
+    assert line["reason"].startswith("text mismatch: ") and "'not what the ids say'" in line[
+        "reason"] and "the ids are kept" in line["reason"]
+    assert liar in {r["id"] for r in _tokenized(tmp_path)}  # the ids are the record's
+    (row,) = [x for x in out.splitlines() if "text disagreeing with its ids" in x]
+    assert row.lstrip().startswith("ds text") and str(listed) in row and liar in row
+    datasets = json.loads((tmp_path / STAGE / "manifest.json").read_text())["outputs"][
+        "datasets"]
+    assert datasets["ds"]["text_mismatch"] == 1 and datasets["ds"]["text_mismatch_list"] == str(
+        listed)
+    assert datasets["ds2"]["text_mismatch"] == 0  # counted per dataset, not carried over
+    assert not (tmp_path / STAGE / "ds2/text_mismatch.jsonl").exists()
+
+
 def test_a_server_up_whose_generation_endpoint_is_not_ends_in_one_stop_not_a_flood(
         tmp_path, tiny_target_dir):
     write_prepared_stage(tmp_path, {"ds": synthetic_conversations(4, "ds")})
