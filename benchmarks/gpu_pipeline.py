@@ -32,6 +32,8 @@ no-ops, a half-done one resumes.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -91,10 +93,11 @@ class PipelineProfile:
 
 PROFILES = {
     # Qwen2.5-Coder-1.5B-Instruct on one H100 (hidden 1536, 28 layers, vocab 151,936):
-    # ~11,000 conversations, code-heavy (datasets/qwen_coder_self_written.json), replies up to
-    # 512 tokens; states in fp8 (7.7 KB a token against bf16's 12.3); the draft 3 epochs.
+    # ~9,300 conversations, code-heavy (datasets/qwen_coder_self_written.json at 0.8 of its
+    # counts), replies up to 512 tokens; states in fp8 (7.7 KB a token against bf16's 12.3); the
+    # draft 3 epochs or until the serving's share of the deadline (its last checkpoint then).
     "h100-qwen-coder": PipelineProfile(
-        device="cuda", recipe="qwen_coder_self_written.json", count_scale=1.0,
+        device="cuda", recipe="qwen_coder_self_written.json", count_scale=0.8,
         preset="qwen2.5-coder-1.5b",
         server=("--mem-fraction-static", "0.85", "--context-length", "8192",
                 "--chunked-prefill-size", "16384", "--max-running-requests", "1024",
@@ -107,7 +110,7 @@ PROFILES = {
         draft_vocab=32000,
         train=("--epochs", "3", "--lr", "1e-3", "--max-seq-len", "4096", "--pack-tokens",
                "16384", "--num-workers", "12", "--max-eval-samples", "128", "--log-every", "20",
-               "--device", "cuda"),
+               "--save-every", "100", "--device", "cuda"),
         serve_server=("--mem-fraction-static", "0.9", "--max-total-tokens", "98304",
                       "--context-length", "4096", "--cuda-graph-max-bs", "64",
                       "--max-running-requests", "64", "--cuda-graph-backend-prefill",
@@ -122,8 +125,8 @@ PROFILES = {
         offline=("--steps", "3", "7", "--device", "cuda", "--dtype", "bfloat16",
                  "--num-prompts", "16", "--max-new-tokens", "128"),
         estimates={"server": 120, "01": 150, "01b": 200, "merge": 15, "02b": 180, "03": 20,
-                   "04": 420, "serve_start": 180, "serve_natural": 300, "serve_fixed": 300,
-                   "offline": 300}),
+                   "04": 240, "04_min": 180, "serve_start": 180, "serve_natural": 300,
+                   "serve_fixed": 300, "offline": 300}),
     # The same route on CPU at toy sizes: the tiny qwen2 target served by the SGLang CPU build
     # (which cannot serve EAGLE, so no speculative settings: plain only, and the offline 05).
     "cpu-qwen2-smoke": PipelineProfile(
@@ -257,17 +260,34 @@ class StepLog:
 
 
 def run_step(log: StepLog, step: str, argv: list[str], log_dir: Path,
-             manifest: Path | None = None, check: bool = True) -> None:
+             manifest: Path | None = None, check: bool = True,
+             limit_s: float | None = None) -> bool:
     """Run one script, record it; RuntimeError (with its log's tail) when it fails and `check`
     (05 exits 1 on outputs that differ from plain beyond plain's own noise: its results are
-    kept and the next measurement still runs)."""
+    kept and the next measurement still runs). Past `limit_s` the script is interrupted (two
+    SIGINTs: a stage keeps what is complete, 04 its last checkpoint) and False is returned."""
     log_path = Path(log_dir) / f"{step}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, cut = time.time(), False
     with open(log_path, "ab") as out:
-        rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            cut = True
+            for _ in range(2):  # the first asks the stage to stop, the second interrupts it
+                os.killpg(proc.pid, signal.SIGINT)
+                time.sleep(2)
+            try:
+                rc = proc.wait(timeout=120)  # the checkpoint in flight is finished first
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
     tail = log_path.read_text(errors="replace").splitlines()[-25:]
     fields = {"command": " ".join(argv), "rc": rc, "wall_s": round(time.time() - t0, 1)}
+    if cut:
+        fields["cut_at_s"] = limit_s
     if manifest is not None and manifest.exists():
         m = json.loads(manifest.read_text())
         fields["outputs"] = m.get("outputs")
@@ -275,8 +295,23 @@ def run_step(log: StepLog, step: str, argv: list[str], log_dir: Path,
     if rc != 0:
         fields["log_tail"] = tail
     log.record(step, **fields)
-    if rc != 0 and check:
+    if rc != 0 and check and not cut:
         raise RuntimeError(f"step {step} exited {rc}:\n" + "\n".join(tail))
+    return not cut
+
+
+def export_latest_checkpoint(workdir: Path) -> Path:
+    """04_train/final from 04's latest complete checkpoint (04 cut before its last step)."""
+    from eagle3.train.checkpoint import complete_steps
+    from reference.stages import export_checkpoint
+
+    root = Path(workdir) / "04_train" / "checkpoints"
+    steps = complete_steps(root)
+    if not steps:
+        raise RuntimeError(f"04 was cut before its first checkpoint: nothing in {root}")
+    step_dir = root / f"step_{steps[-1]:06d}"
+    return export_checkpoint(step_dir, json.loads((step_dir / "config.json").read_text()),
+                             Path(workdir) / "04_train" / "final")
 
 
 def _manifest(workdir: Path, stage: str) -> Path:
@@ -317,8 +352,15 @@ def run_pipeline(profile: PipelineProfile, target: Path, work: Path, out: Path,
         log.record("server", wall_s=round(time.time() - t0, 1), url=data.url)
         if not stage_steps(data_commands(profile, workdir, target, data.url, recipe)):
             return log.data
-    if not stage_steps(train_commands(profile, workdir, target)):
+    (vocab, vocab_argv), (_, train_argv) = train_commands(profile, workdir, target)
+    if not stage_steps([(vocab, vocab_argv)]) or not log.fits("04", est.get("04", 0)):
         return log.data
+    # 04 gets what is left before the deadline but the serving's share; cut there, its last
+    # checkpoint is the draft
+    serve_s = est.get("serve_start", 0) + est.get("serve_natural", 0) + 60
+    limit = max(deadline - time.time() - serve_s, est.get("04_min", 120))
+    if not run_step(log, "04", train_argv, logs, _manifest(workdir, "04"), limit_s=limit):
+        log.record("04", exported=str(export_latest_checkpoint(workdir)))
     serve(profile, workdir, target, Path(work), log, launch)
     if log.fits("offline", est.get("offline", 0)):
         run_step(log, "offline", offline_command(profile, workdir, target,
@@ -332,7 +374,7 @@ def serve(profile: PipelineProfile, workdir: Path, target: Path, work: Path, log
     from contextlib import ExitStack
 
     est = profile.estimates
-    if not log.fits("serve_start", est.get("serve_start", 0)):
+    if not profile.settings or not log.fits("serve_start", est.get("serve_start", 0)):
         return
     draft = workdir / "04_train" / "final"
     servers = [launch("plain", 30060, list(profile.serve_server))]
@@ -352,7 +394,7 @@ def serve(profile: PipelineProfile, workdir: Path, target: Path, work: Path, log
                             zip(["plain", *[x.name for x in profile.settings]], servers)})
         plain, specs = servers[0].url, [s.url for s in servers[1:]]
         for step, fixed in (("serve_natural", False), ("serve_fixed", True)):
-            if not specs or not log.fits(step, est.get(step, 0)):
+            if not log.fits(step, est.get(step, 0)):
                 continue
             bench_dir = work / step
             run_step(log, step, bench_command(profile, workdir, target, bench_dir, plain, specs,

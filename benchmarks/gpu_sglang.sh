@@ -32,7 +32,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 G=/tmp/gs
 SITE=/tmp/sglsite
-HELD_S=${HELD_S:-1740}  # the machine goes back this long after the first call: the deadline
+HELD_S=${HELD_S:-1620}  # seconds from the first call to the run's end (a machine is held 30 min)
 export PYTHONUNBUFFERED=1
 
 mf() { awk -v k="$1" '$1 == k {print $2}' $G/parts/manifest; }
@@ -128,6 +128,7 @@ start)  # the GGUF: join, check, convert; stop the site phases; start the given 
         pkill -f "[b]ench_sglang_gpu.py"; pkill -f "[s]glang.launch_server"; sleep 5
         pkill -9 -f "[s]glang.launch_server"; pkill -9 -f "[s]glang::"; sleep 2
     fi
+    rm -rf $G/work/kimi/x02b* $G/work/kimi/dumps*  # the kimi phase's states: disk for 02b's
     deadline=$(( $(cat $G/t0) + HELD_S - 150 ))  # 05 stops ~2.5 min before the machine goes
     setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases "${@:-pipeline}" --out $G/out \
         --sglang-site $SITE --smollm2 $G/target --pipeline-target $G/target \
