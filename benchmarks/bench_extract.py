@@ -158,7 +158,8 @@ def main(argv=None) -> int:
                 dump_dir, out = dump_root / "dump", root / f"out_{dtype}_{workers}"
                 dump_dir.mkdir(exist_ok=True)
                 clock = write_dumps(dump_dir, args, records)
-                dump_bytes = sum(p.stat().st_size for p in dump_dir.glob("*.pt"))
+                dump_bytes = sum(sglang_dump.dump_file_path(dump_dir, r["rid"]).stat().st_size
+                                 for r in records)
                 if dtype == "bf16" and workers == 1:
                     row("dump write (server, no fsync)", clock, dump_bytes)
                 clock = convert_all(dump_dir, out, records, expected, dtype, workers)
