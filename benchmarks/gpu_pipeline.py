@@ -119,14 +119,13 @@ PROFILES = {
                   Setting("tree6x4", ("--speculative-num-steps", "6",
                                       "--speculative-eagle-topk", "4",
                                       "--speculative-num-draft-tokens", "16"))),
-        prompt_sets=("prompts/human_code.jsonl", "prompts/human_chat.jsonl",
-                     "heldout:qwen_code"),
-        num_prompts=40, max_new_tokens=256, concurrency=(1, 4, 16, 64),
+        prompt_sets=("prompts/human_code.jsonl", "prompts/human_chat.jsonl"),
+        num_prompts=32, max_new_tokens=256, concurrency=(1, 4, 16, 64),
         offline=("--steps", "3", "7", "--device", "cuda", "--dtype", "bfloat16",
                  "--num-prompts", "16", "--max-new-tokens", "128"),
         estimates={"server": 120, "01": 150, "01b": 200, "merge": 15, "02b": 180, "03": 20,
-                   "04": 240, "04_min": 180, "serve_start": 180, "serve_natural": 300,
-                   "serve_fixed": 300, "offline": 300}),
+                   "04": 240, "04_min": 180, "serve_start": 150, "serve_natural": 240,
+                   "serve_fixed": 240, "offline": 300}),
     # The same route on CPU at toy sizes: the tiny qwen2 target served by the SGLang CPU build
     # (which cannot serve EAGLE, so no speculative settings: plain only, and the offline 05).
     "cpu-qwen2-smoke": PipelineProfile(
