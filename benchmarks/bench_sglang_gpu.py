@@ -398,7 +398,8 @@ def phase_kimi_fp8(args, w: Path, target: Path, flags: list[str], out: dict) -> 
     stats_file.unlink(missing_ok=True)
     shutil.rmtree(dump_dir, ignore_errors=True)
     fp8 = server(args, target, 30033, flags, "kimi_dump_on_fp8.log", dump_dir,
-                 {"EAGLE3_DUMP_STATS_FILE": str(stats_file), "EAGLE3_DUMP_LAYOUT": "fp8"})
+                 {"EAGLE3_DUMP_STATS_FILE": str(stats_file), "EAGLE3_DUMP_LAYOUT": "fp8",
+                  "EAGLE3_DUMP_FP8_ON_GPU": "1"})
     try:
         with ExitStack() as stack:
             out["server_fp8_start_s"] = started(stack, fp8)

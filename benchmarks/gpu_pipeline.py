@@ -269,8 +269,11 @@ def run_step(log: StepLog, step: str, argv: list[str], log_dir: Path,
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0, cut = time.time(), False
     with open(log_path, "ab") as out:
+        # the repository on the path: datasets/merge_and_shuffle.py sits below it
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         try:
             rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:

@@ -91,7 +91,7 @@ part)
     mkdir -p $G/parts && cp .gpu/p$n/* $G/parts/ || exit 1
     [ -f $G/t0 ] || date +%s > $G/t0
     echo "part $n: $(ls $G/parts/part* | wc -l) of $(mf parts) here, $(( $(date +%s) - $(cat $G/t0) )) s since the first"
-    [ -f $G/site.pid ] && { tail -2 $G/run_site.log; }
+    if [ -f $G/site.pid ]; then tail -2 $G/run_site.log; fi
     ;;
 site)  # the bundle: unpack, check, patch every hooked model file, start the given phases
     shift
@@ -113,9 +113,11 @@ import sglang.srt.entrypoints.http_server, sglang.srt.models.deepseek_v2, sglang
     ;;
 start)  # the GGUF: join, check, convert; stop the site phases; start the given phases
     shift
-    cat $(ls $G/parts/part* | sort) | tail -c +$(( $(mf bundle_bytes) + 1 )) > $G/target.gguf
-    echo "$(mf gguf_sha256)  $G/target.gguf" | sha256sum -c - || exit 1
-    rm -rf $G/parts  # 1.1 GB of disk back
+    if ! echo "$(mf gguf_sha256)  $G/target.gguf" | sha256sum -c --status - 2>/dev/null; then
+        cat $(ls $G/parts/part* | sort) | tail -c +$(( $(mf bundle_bytes) + 1 )) > $G/target.gguf
+        echo "$(mf gguf_sha256)  $G/target.gguf" | sha256sum -c - || exit 1
+    fi
+    rm -f $G/parts/part*  # 1.1 GB of disk back; the manifest stays
     # the converter runs on the machine's transformers; only gguf comes from the bundle
     mkdir -p /tmp/ggufsite && ln -sfn $SITE/gguf /tmp/ggufsite/gguf
     ln -sfn $SITE/gguf-*.dist-info /tmp/ggufsite/

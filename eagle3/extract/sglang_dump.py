@@ -112,6 +112,10 @@ ENV_RID_PREFIX = "EAGLE3_DUMP_RID_PREFIX"
 ENV_LAYOUT = "EAGLE3_DUMP_LAYOUT"
 ENV_MAX_PENDING_MB = "EAGLE3_DUMP_MAX_PENDING_MB"
 ENV_STATS_FILE = "EAGLE3_DUMP_STATS_FILE"
+# "1": the fp8 layout quantizes on the GPU, before the copy (half the bytes over PCIe). Off by
+# default: on an H100 (2026-12-07) its files were not bit-equal to the host quantizer's
+# (tests/extract/test_dump_cuda.py); without it the writer thread quantizes the bf16 rows.
+ENV_FP8_ON_GPU = "EAGLE3_DUMP_FP8_ON_GPU"
 DEFAULT_RID_PREFIX = "eagle3-"
 DEFAULT_MAX_PENDING_MB = 2048
 # SGLang's own prefix for /health generations (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX).
@@ -132,6 +136,7 @@ class DumpConfig:
     layout: str = "bf16"  # of the aux states in the files: "bf16" or "fp8" (LAYOUTS)
     max_pending_bytes: int = DEFAULT_MAX_PENDING_MB << 20  # host bytes queued, at most
     stats_file: Path | None = None  # the writer's counters as JSON; None: not written
+    fp8_on_gpu: bool = False  # fp8 layout: quantize on the GPU (ENV_FP8_ON_GPU), else the host
 
 
 @dataclass(frozen=True)
@@ -233,9 +238,12 @@ def config_from_env(environ: Mapping[str, str], tp_rank: int) -> DumpConfig:
         raise DumpError(f"{ENV_MAX_PENDING_MB}={pending!r}: expected a whole number of MB >= 1 "
                         f"(default {DEFAULT_MAX_PENDING_MB})")
     stats = environ.get(ENV_STATS_FILE, "")
+    on_gpu = environ.get(ENV_FP8_ON_GPU, "") or "0"
+    if on_gpu not in ("0", "1"):
+        raise DumpError(f"{ENV_FP8_ON_GPU}={on_gpu!r}: expected 0 or 1")
     return DumpConfig(dump_dir=Path(dump_dir), tp_rank=tp_rank, rid_prefix=prefix,
                       layout=layout, max_pending_bytes=int(pending) << 20,
-                      stats_file=Path(stats) if stats else None)
+                      stats_file=Path(stats) if stats else None, fp8_on_gpu=on_gpu == "1")
 
 
 def _sglang_tp_rank() -> int:
@@ -441,7 +449,7 @@ def dump_forward_pass(config: DumpConfig, forward_batch: Any, hidden_states: tor
     writer = writer or _writer.InlineWriter(functools.partial(write_job, config))
     staging = _writer.staging_for(hidden_states.device)
     aux_scale = None
-    if config.layout == "fp8" and staging.on_device:  # quantized before crossing PCIe
+    if config.layout == "fp8" and config.fp8_on_gpu and staging.on_device:  # before PCIe
         real_aux = aux[:num_real]
         aux, aux_scale = staging.compute(lambda: _fp8.quantize_captures(
             real_aux.to(DUMP_DTYPE), K, _fp8.gpu_block_rows(H)), real_aux)

@@ -43,10 +43,15 @@ def dump_all(config: DumpConfig, cuda: bool, clobber: bool = False) -> dict:
             for rid in TOTALS}
 
 
-@pytest.mark.parametrize("layout", ["bf16", "fp8"])
-def test_cuda_dumps_equal_cpu_dumps_bit_for_bit_when_memory_is_reused(tmp_path, layout):
+@pytest.mark.parametrize("layout,on_gpu", [
+    ("bf16", False), ("fp8", False),
+    pytest.param("fp8", True, marks=pytest.mark.xfail(
+        strict=True, reason="EAGLE3_DUMP_FP8_ON_GPU=1: not bit-equal to the host quantizer on "
+                            "an H100 (2026-12-07); off by default until found"))])
+def test_cuda_dumps_equal_cpu_dumps_bit_for_bit_when_memory_is_reused(tmp_path, layout, on_gpu):
     cpu = dump_all(DumpConfig(tmp_path / "cpu", 0, layout=layout), cuda=False)
-    gpu = dump_all(DumpConfig(tmp_path / "gpu", 0, layout=layout), cuda=True, clobber=True)
+    gpu = dump_all(DumpConfig(tmp_path / "gpu", 0, layout=layout, fp8_on_gpu=on_gpu), cuda=True,
+                   clobber=True)
     for rid in TOTALS:
         assert cpu[rid].keys() == gpu[rid].keys()
         for key, value in cpu[rid].items():

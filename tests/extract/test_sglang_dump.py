@@ -162,10 +162,12 @@ def test_config_from_env_reads_layout_queue_bound_and_stats_file_when_set(tmp_pa
     assert (config.layout, config.max_pending_bytes) == ("fp8", 64 << 20)
     assert config.stats_file == sglang_dump.Path("/x/stats.json")
     default = sglang_dump.config_from_env({sglang_dump.ENV_DUMP_DIR: "d"}, 0)
-    assert (default.layout, default.max_pending_bytes, default.stats_file) == (
-        "bf16", 2048 << 20, None)
+    assert (default.layout, default.max_pending_bytes, default.stats_file,
+            default.fp8_on_gpu) == ("bf16", 2048 << 20, None, False)
+    assert sglang_dump.config_from_env({**env, sglang_dump.ENV_FP8_ON_GPU: "1"}, 0).fp8_on_gpu
     for var, value in ((sglang_dump.ENV_LAYOUT, "fp4"), (sglang_dump.ENV_MAX_PENDING_MB, "0"),
-                       (sglang_dump.ENV_MAX_PENDING_MB, "1.5")):
+                       (sglang_dump.ENV_MAX_PENDING_MB, "1.5"),
+                       (sglang_dump.ENV_FP8_ON_GPU, "yes")):
         with pytest.raises(DumpError, match=var):
             sglang_dump.config_from_env({sglang_dump.ENV_DUMP_DIR: "d", var: value}, 0)
 
