@@ -1,7 +1,8 @@
 """benchmarks/gpu_pipeline.py's pieces without a GPU or a server: every step's command parses
 with its script, the recipe it scales, the deadline that skips steps, the record a re-run
-keeps. The route itself runs against the real SGLang on CPU in
-tests/sglang/test_real_sglang_pipeline.py."""
+keeps. The route itself runs on CPU against the real SGLang with `python
+benchmarks/gpu_pipeline.py --profile cpu-qwen2-smoke` (BENCHMARKS.md, the pipeline on
+Qwen2.5-Coder)."""
 
 from __future__ import annotations
 
