@@ -46,25 +46,24 @@ def qwen2_text_split():
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
+def _dense_fields(cfg, vocab_size: int, heads: int) -> dict:
+    """The config fields the dense tiny targets share: sizes, grouped KV heads (half the heads),
+    an untied head, no special-token ids (the tokenizer carries them)."""
+    return {"vocab_size": vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 2),
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,
+            "pad_token_id": None}
+
+
 def build_llama(cfg, vocab_size: int):
     """A randomly initialised LlamaForCausalLM, seeded: head_dim = hidden / heads = 32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = cfg.hidden_size // 32  # head_dim 32: the smallest vLLM's CPU attention serves
-    model_cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=32,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    model_cfg = LlamaConfig(**_dense_fields(cfg, vocab_size, heads), head_dim=32)
     torch.manual_seed(cfg.seed)
     return LlamaForCausalLM(model_cfg)
 
@@ -75,23 +74,9 @@ def build_qwen2(cfg, vocab_size: int):
     at zero, which would leave them untested)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    heads = cfg.num_attention_heads
-    model_cfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    model_cfg = Qwen2Config(**_dense_fields(cfg, vocab_size, cfg.num_attention_heads),
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                            rms_norm_eps=1e-6, use_sliding_window=False)
     torch.manual_seed(cfg.seed)
     model = Qwen2ForCausalLM(model_cfg)
     with torch.no_grad():
