@@ -13,7 +13,9 @@ outputs) in `<out>/pipeline.json` as soon as it ends:
                the human-written training prompts
   01b          the replies, greedy, the server's own ids (`--backend sglang`)
   merge, 02b   the merged splits; their states through the server's dump (`--backend sglang`)
-  03, 04       the draft vocabulary; the draft (the target's preset)
+  03, 04       the draft vocabulary; the draft (the target's preset), given what is left
+               before the deadline but the serving's share: cut there (two SIGINTs), its
+               last checkpoint is exported as the draft
   serve        plain and each speculative setting of the profile, started together (each with
                a fixed KV pool, so no server sizes itself from what another left free), then 05
                `--backend sglang` on the held-out prompts at every concurrency: natural lengths
@@ -22,7 +24,9 @@ outputs) in `<out>/pipeline.json` as soon as it ends:
 
 A step whose estimate exceeds what is left before the deadline is skipped and recorded so, the
 later ones too (they build on it or come after it in priority). A step that fails stops the
-phase (its log tail is in the record). Re-running the phase resumes: complete stages are
+phase (its log tail is in the record), but 05's exit on outputs beyond plain's own noise does not.
+Measured on one H100 with `h100-qwen-coder` (2026-12-07, BENCHMARKS.md): data server 58-90 s,
+01 242 s, 01b 136 s, 02b 146 s, 03 10 s. Re-running the phase resumes: complete stages are
 no-ops, a half-done one resumes.
 
     python benchmarks/bench_sglang_gpu.py --phases pipeline --out $OUT --sglang-site /tmp/sglsite \\
