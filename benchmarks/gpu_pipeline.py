@@ -127,7 +127,8 @@ PROFILES = {
         num_prompts=32, max_new_tokens=256, concurrency=(1, 4, 16, 64),
         offline=("--steps", "3", "7", "--device", "cuda", "--dtype", "bfloat16",
                  "--num-prompts", "16", "--max-new-tokens", "128"),
-        estimates={"server": 120, "01": 150, "01b": 200, "merge": 15, "02b": 180, "03": 20,
+        # estimates: the measured step times (2026-12-07) where they ran, with a margin
+        estimates={"server": 100, "01": 260, "01b": 150, "merge": 15, "02b": 170, "03": 20,
                    "04": 240, "04_min": 180, "serve_start": 150, "serve_natural": 240,
                    "serve_fixed": 240, "offline": 300}),
     # The same route on CPU at toy sizes: the tiny qwen2 target served by the SGLang CPU build
