@@ -25,6 +25,10 @@ out of time still brings back what finished:
          02b --dtype fp8); then the same target with an MLA draft
          (Eagle3DeepseekV2ForCausalLM, random weights) under EAGLE3: its first answers, or the
          exact error
+  pipeline        the whole pipeline on a real target, then its draft served beside plain
+                  (benchmarks/gpu_pipeline.py, --pipeline-target, --pipeline-profile); in two
+  pipeline-train  sessions: up to 04 (its draft goes back), then
+  pipeline-serve  --pipeline-draft (that draft) served beside plain, and the offline 05
 
     python benchmarks/bench_sglang_gpu.py --phases dump serve kimi --out $OUT \
         --sglang-site /tmp/sglsite --smollm2 /tmp/gs/smollm2
@@ -415,26 +419,50 @@ def phase_kimi_fp8(args, w: Path, target: Path, flags: list[str], out: dict) -> 
     write_json(args, "kimi", out)
 
 
-def phase_pipeline(args) -> None:
+def pipeline_launch(args):
+    """gpu_pipeline's `launch`: a server of --pipeline-target on this machine's SGLang site."""
+    def launch(name: str, port: int, flags: list[str], dump_dir=None) -> LaunchedServer:
+        return server(args, args.pipeline_target, port, flags, f"pipeline_{name}.log", dump_dir)
+    return launch
+
+
+def phase_pipeline(args, stop_after: str | None = None) -> None:
     """The whole pipeline on a real target through the patched SGLang, then its draft served
     (benchmarks/gpu_pipeline.py: its steps, profiles and record, <out>/pipeline.json)."""
     import gpu_pipeline
 
-    def launch(name: str, port: int, flags: list[str], dump_dir=None) -> LaunchedServer:
-        return server(args, args.pipeline_target, port, flags, f"pipeline_{name}.log", dump_dir)
-
     gpu_pipeline.run_pipeline(gpu_pipeline.PROFILES[args.pipeline_profile],
                               args.pipeline_target, args.work / "pipeline", args.out,
-                              args.deadline_at or time.time() + 3600, launch)
+                              args.deadline_at or time.time() + 3600, pipeline_launch(args),
+                              stop_after=stop_after)
+
+
+def phase_pipeline_train(args) -> None:
+    """Session A of two: the pipeline up to 04, whose draft goes back for session B."""
+    phase_pipeline(args, stop_after="04")
+
+
+def phase_pipeline_serve(args) -> None:
+    """Session B of two: --pipeline-draft (session A's) served beside plain, the offline 05."""
+    import gpu_pipeline
+
+    if args.pipeline_draft is None:
+        raise ValueError("pipeline-serve needs --pipeline-draft DIR: session A's 04_train/final "
+                         "(benchmarks/gpu_sglang.sh split ... DRAFT.tar, then start unpacks it)")
+    gpu_pipeline.serve_draft(gpu_pipeline.PROFILES[args.pipeline_profile],
+                             args.pipeline_target, args.pipeline_draft, args.work / "pipeline",
+                             args.out, args.deadline_at or time.time() + 3600,
+                             pipeline_launch(args))
 
 
 PHASES = {"dump": phase_dump, "serve": phase_serve, "kimi": phase_kimi,
-          "pipeline": phase_pipeline}
+          "pipeline": phase_pipeline, "pipeline-train": phase_pipeline_train,
+          "pipeline-serve": phase_pipeline_serve}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--phases", nargs="+", choices=list(PHASES), default=list(PHASES))
+    p.add_argument("--phases", nargs="+", choices=list(PHASES), default=["dump", "serve", "kimi"])
     p.add_argument("--out", type=Path, required=True, help="where the JSON results go")
     p.add_argument("--work", type=Path, default=Path("/tmp/gs/work"))
     p.add_argument("--sglang-site", required=True, help="folder holding sglang 0.5.17 et al.")
@@ -442,6 +470,8 @@ def main() -> int:
     p.add_argument("--pipeline-target", type=Path, help="pipeline: the target folder")
     p.add_argument("--pipeline-profile", default="h100-qwen-coder",
                    help="pipeline: a profile of benchmarks/gpu_pipeline.py")
+    p.add_argument("--pipeline-draft", type=Path,
+                   help="pipeline-serve: the draft folder to serve (session A's 04_train/final)")
     p.add_argument("--deadline-at", type=float, default=0.0,
                    help="pipeline: epoch seconds past which no step starts (0: an hour)")
     p.add_argument("--num-prompts", type=int, default=64)

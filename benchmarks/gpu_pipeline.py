@@ -14,8 +14,8 @@ outputs) in `<out>/pipeline.json` as soon as it ends:
   01b          the replies, greedy, the server's own ids (`--backend sglang`)
   merge, 02b   the merged splits; their states through the server's dump (`--backend sglang`)
   03, 04       the draft vocabulary; the draft (the target's preset), given what is left
-               before the deadline but the serving's share: cut there (two SIGINTs), its
-               last checkpoint is exported as the draft
+               before the deadline but the serving's share (stopping after 04: the draft's
+               return share): cut there (two SIGINTs), its last checkpoint is exported
   serve        plain and each speculative setting of the profile, started together (each with
                a fixed KV pool, so no server sizes itself from what another left free), then 05
                `--backend sglang` on the held-out prompts at every concurrency: natural lengths
@@ -30,7 +30,50 @@ Measured on one H100 with `h100-qwen-coder` (2026-12-07, BENCHMARKS.md): data se
 no-ops, a half-done one resumes.
 
     python benchmarks/bench_sglang_gpu.py --phases pipeline --out $OUT --sglang-site /tmp/sglsite \\
-        --pipeline-target /tmp/gs/qwen --pipeline-profile h100-qwen-coder --deadline-at EPOCH
+        --pipeline-target /tmp/gs/target --pipeline-profile h100-qwen-coder --deadline-at EPOCH
+
+In two sessions. One device session (30 minutes, ~77 s of them to start the machine and ~180 s
+for the other 18 parts of the target, 125 s to convert it) holds the data steps and a real 04
+(data server 60-90 s, 01 242 s, 01b 136 s, 02b 146 s, 03 10 s) or the serving (servers ~150 s,
+05 natural ~240 s, fixed ~240 s, offline ~300 s), not both. Session A, `run_pipeline(...,
+stop_after="04")` (phase `pipeline-train`), gives 04 what is left before the deadline but the
+draft's return share (`draft_return`) and records the serving and offline steps as skipped;
+`gpu_sglang.sh follow` and `fetch` bring its draft back in parts. Session B, `serve_draft(...)` (phase
+`pipeline-serve`), serves that draft and runs the offline 05 with no data server, data step, 03
+or 04, into the same pipeline.json (`route`: all, train or serve). Its prompt sets must be files
+in the repository: `heldout:<dataset>` names 01's own, which session B lacks (an error saying so
+before any server starts). The calls (benchmarks/gpu_sglang.sh's header has each), session A:
+
+    bash benchmarks/gpu_sglang.sh split /tmp/gpusite.tar.xz GGUF qwen2.5-coder-1.5b      # here
+    bash benchmarks/gpu_sglang.sh part 1 && bash benchmarks/gpu_sglang.sh site kimi       # call 1
+    bash benchmarks/gpu_sglang.sh part N                                                  # 2..K-1
+    bash benchmarks/gpu_sglang.sh part K && bash benchmarks/gpu_sglang.sh start pipeline-train
+    bash benchmarks/gpu_sglang.sh follow 560     # until the driver has ended
+    bash benchmarks/gpu_sglang.sh fetch 0        # until every part draft.sha256 names is back
+    bash benchmarks/gpu_sglang.sh join-draft /tmp/draft.tar FILES_AT_1 FILES_AT_2 ...     # here
+
+session B:
+
+    bash benchmarks/gpu_sglang.sh split /tmp/gpusite.tar.xz GGUF qwen2.5-coder-1.5b /tmp/draft.tar
+    bash benchmarks/gpu_sglang.sh part 1 && bash benchmarks/gpu_sglang.sh site kimi       # call 1
+    bash benchmarks/gpu_sglang.sh part N                                                  # 2..K-1
+    bash benchmarks/gpu_sglang.sh part K && bash benchmarks/gpu_sglang.sh start pipeline-serve
+    bash benchmarks/gpu_sglang.sh follow 560     # until the driver has ended
+
+which run, on the machine,
+
+    python benchmarks/bench_sglang_gpu.py --phases pipeline-train --out $OUT \\
+        --sglang-site /tmp/sglsite --pipeline-target /tmp/gs/target --deadline-at EPOCH
+    python benchmarks/bench_sglang_gpu.py --phases pipeline-serve --out $OUT \\
+        --sglang-site /tmp/sglsite --pipeline-target /tmp/gs/target --deadline-at EPOCH \\
+        --pipeline-draft /tmp/gs/draft_in/final
+
+and on CPU (the offline 05 only: the CPU build serves no EAGLE):
+
+    python benchmarks/gpu_pipeline.py --target T --work W --stop-after 04 \\
+        --sglang-python .venv-sglang/bin/python
+    python benchmarks/gpu_pipeline.py --target T --work W2 --draft W/run/04_train/final \\
+        --sglang-python .venv-sglang/bin/python
 """
 
 from __future__ import annotations
@@ -127,10 +170,13 @@ PROFILES = {
         num_prompts=32, max_new_tokens=256, concurrency=(1, 4, 16, 64),
         offline=("--steps", "3", "7", "--device", "cuda", "--dtype", "bfloat16",
                  "--num-prompts", "16", "--max-new-tokens", "128"),
-        # estimates: the measured step times (2026-12-07) where they ran, with a margin
+        # estimates: the measured step times (2026-12-07) where they ran, with a margin;
+        # draft_return (session A, stopping after 04): the cut's checkpoint in flight and the
+        # export (~30 s), then the draft's ~212 MB (106M bf16 parameters) back in 15 MB parts,
+        # 4 a device call (64 MiB) at ~30 s a call
         estimates={"server": 100, "01": 260, "01b": 150, "merge": 15, "02b": 170, "03": 20,
                    "04": 240, "04_min": 180, "serve_start": 150, "serve_natural": 240,
-                   "serve_fixed": 240, "offline": 300}),
+                   "serve_fixed": 240, "offline": 300, "draft_return": 180}),
     # The same route on CPU at toy sizes: the tiny qwen2 target served by the SGLang CPU build
     # (which cannot serve EAGLE, so no speculative settings: plain only, and the offline 05).
     "cpu-qwen2-smoke": PipelineProfile(
@@ -212,12 +258,34 @@ def train_commands(profile: PipelineProfile, workdir: Path,
             ("04", stage_command("04", workdir, target, *preset, *profile.train))]
 
 
+def trained_draft(workdir: Path) -> Path:
+    """The draft 04 writes (or its last checkpoint's export, when 04 was cut)."""
+    return Path(workdir) / "04_train" / "final"
+
+
+def missing_prompt_sets(profile: PipelineProfile, workdir: Path) -> list[str]:
+    """Why each of 05's prompt sets that is not on disk is missing (none: all there)."""
+    missing = []
+    for name, path in zip(profile.prompt_sets, resolve_prompt_sets(profile, workdir)):
+        if Path(path).is_file():
+            continue
+        if name.startswith("heldout:"):
+            missing.append(f"{name} is 01's held-out prompts of that dataset, {path}, which only "
+                           "the data steps write: name repository prompt sets (prompts/*.jsonl) "
+                           "in the profile's prompt_sets, or put that file there (session A's "
+                           "results.tgz holds it)")
+        else:
+            missing.append(f"{name}: no file {path}")
+    return missing
+
+
 def bench_command(profile: PipelineProfile, workdir: Path, target: Path, out_dir: Path,
-                  baseline_url: str, spec_urls: list[str], fixed: bool) -> list[str]:
+                  baseline_url: str, spec_urls: list[str], fixed: bool, *,
+                  draft: Path) -> list[str]:
     """05 --backend sglang: the baseline and every speculative server, every prompt set and
     concurrency; `fixed`: every answer exactly --max-new-tokens long."""
     return [sys.executable, str(ROOT / SCRIPTS["05"]), "--workdir", str(out_dir), "--target",
-            str(target), "--draft", str(workdir / "04_train" / "final"), "--backend", "sglang",
+            str(target), "--draft", str(draft), "--backend", "sglang",
             "--baseline-url", baseline_url, "--spec-url", *spec_urls,
             "--prompt-sets", *resolve_prompt_sets(profile, workdir),
             "--num-prompts", str(profile.num_prompts), "--max-new-tokens",
@@ -226,10 +294,10 @@ def bench_command(profile: PipelineProfile, workdir: Path, target: Path, out_dir
             *(["--ignore-eos"] if fixed else [])]
 
 
-def offline_command(profile: PipelineProfile, workdir: Path, target: Path,
-                    out_dir: Path) -> list[str]:
+def offline_command(profile: PipelineProfile, workdir: Path, target: Path, out_dir: Path, *,
+                    draft: Path) -> list[str]:
     return [sys.executable, str(ROOT / SCRIPTS["05"]), "--workdir", str(out_dir), "--target",
-            str(target), "--draft", str(workdir / "04_train" / "final"), "--backend", "hf",
+            str(target), "--draft", str(draft), "--backend", "hf",
             "--prompt-sets", *resolve_prompt_sets(profile, workdir), "--temperature", "0",
             *profile.offline]
 
@@ -254,9 +322,12 @@ class StepLog:
         left = self.deadline - time.time()
         if estimate_s <= left:
             return True
-        self.data["skipped"][step] = f"needs ~{estimate_s:.0f} s, {left:.0f} s left"
-        self.save()
+        self.skip(step, f"needs ~{estimate_s:.0f} s, {left:.0f} s left")
         return False
+
+    def skip(self, step: str, reason: str) -> None:
+        self.data["skipped"][step] = reason
+        self.save()
 
     def record(self, step: str, **fields) -> None:
         self.data["steps"][step] = {**self.data["steps"].get(step, {}), **fields}
@@ -327,19 +398,32 @@ def _manifest(workdir: Path, stage: str) -> Path:
     return Path(workdir) / STAGE_DIRS[stage] / "manifest.json"
 
 
+# What the two-session route's session A leaves for session B (the module docstring)
+SERVE_STEPS = ("serve_start", "serve_natural", "serve_fixed", "offline")
+
+
+def _meta(profile: PipelineProfile, target: Path, **extra) -> dict:
+    """The record's head: the target, the profile, its settings' flags, the route's own keys."""
+    return {"target": str(target),
+            "profile": {k: v for k, v in profile.__dict__.items() if k != "settings"},
+            "settings": {s.name: list(s.flags) for s in profile.settings}, **extra}
+
+
 def run_pipeline(profile: PipelineProfile, target: Path, work: Path, out: Path,
-                 deadline: float, launch) -> dict:
+                 deadline: float, launch, stop_after: str | None = None) -> dict:
     """Every step of the module docstring; returns the record (also in <out>/pipeline.json).
 
     `launch(name, port, flags, dump_dir=None)` returns an unstarted LaunchedServer of the target
-    (eagle3/core/launcher.py) with `flags` beside the caller's common ones."""
+    (eagle3/core/launcher.py) with `flags` beside the caller's common ones. `stop_after="04"`:
+    session A of two, 04 gets what is left but the draft's return share (estimate
+    `draft_return`) and the serving and offline steps are recorded as skipped."""
     from contextlib import ExitStack
 
+    if stop_after not in (None, "04"):
+        raise ValueError(f"stop_after={stop_after!r}: use '04' (train here, serve in the next "
+                         "session) or None (the whole route)")
     workdir, logs = Path(work) / "run", Path(work) / "logs"
-    log = StepLog(out, deadline, {
-        "target": str(target),
-        "profile": {k: v for k, v in profile.__dict__.items() if k != "settings"},
-        "settings": {s.name: list(s.flags) for s in profile.settings}})
+    log = StepLog(out, deadline, _meta(profile, target, route="train" if stop_after else "all"))
     recipe = scaled_recipe(profile, Path(work) / "recipe.json")
     est = profile.estimates
 
@@ -362,28 +446,62 @@ def run_pipeline(profile: PipelineProfile, target: Path, work: Path, out: Path,
     (vocab, vocab_argv), (_, train_argv) = train_commands(profile, workdir, target)
     if not stage_steps([(vocab, vocab_argv)]) or not log.fits("04", est.get("04", 0)):
         return log.data
-    # 04 gets what is left before the deadline but the serving's share; cut there, its last
+    # 04 gets what is left before the deadline but what follows it in this session: the
+    # serving's share, or (stopping after 04) the draft's way back; cut there, its last
     # checkpoint is the draft
-    serve_s = est.get("serve_start", 0) + est.get("serve_natural", 0) + 60
-    limit = max(deadline - time.time() - serve_s, est.get("04_min", 120))
+    if stop_after == "04":
+        share_s = est.get("draft_return", 0)
+    else:
+        share_s = est.get("serve_start", 0) + est.get("serve_natural", 0) + 60
+    limit = max(deadline - time.time() - share_s, est.get("04_min", 120))
     if not run_step(log, "04", train_argv, logs, _manifest(workdir, "04"), limit_s=limit):
         log.record("04", exported=str(export_latest_checkpoint(workdir)))
-    serve(profile, workdir, target, Path(work), log, launch)
-    if log.fits("offline", est.get("offline", 0)):
-        run_step(log, "offline", offline_command(profile, workdir, target,
-                                                 Path(work) / "offline"), logs, check=False)
+    if stop_after == "04":
+        for step in SERVE_STEPS:
+            log.skip(step, "serve in the next session: stopped after 04, the draft goes back "
+                     "(benchmarks/gpu_sglang.sh: join-draft, split with it, start pipeline-serve)")
+        return log.data
+    measure(profile, workdir, target, Path(work), log, launch, draft=trained_draft(workdir))
     return log.data
 
 
+def serve_draft(profile: PipelineProfile, target: Path, draft: Path, work: Path, out: Path,
+                deadline: float, launch) -> dict:
+    """Session B of two: `draft` (session A's 04_train/final, brought back) served beside plain,
+    then the offline 05, recorded as run_pipeline records them; no data server, no data step,
+    03 or 04. FileNotFoundError, before any server starts, when the draft or a prompt set is
+    missing."""
+    workdir, draft = Path(work) / "run", Path(draft)
+    lacks = [f for f in ("config.json", "model.safetensors") if not (draft / f).is_file()]
+    if lacks:
+        raise FileNotFoundError(f"the draft folder {draft} has no {' or '.join(lacks)}: give "
+                                "session A's 04_train/final (gpu_sglang.sh start unpacks it)")
+    missing = missing_prompt_sets(profile, workdir)
+    if missing:
+        raise FileNotFoundError("05's prompt sets are missing in the serve-only route: "
+                                + "; ".join(missing))
+    log = StepLog(out, deadline, _meta(profile, target, route="serve", draft=str(draft)))
+    measure(profile, workdir, target, Path(work), log, launch, draft=draft)
+    return log.data
+
+
+def measure(profile: PipelineProfile, workdir: Path, target: Path, work: Path, log: StepLog,
+            launch, *, draft: Path) -> None:
+    """`draft` served beside plain (serve), then the offline 05 on the same prompts."""
+    serve(profile, workdir, target, work, log, launch, draft=draft)
+    if log.fits("offline", profile.estimates.get("offline", 0)):
+        run_step(log, "offline", offline_command(profile, workdir, target, work / "offline",
+                                                 draft=draft), work / "logs", check=False)
+
+
 def serve(profile: PipelineProfile, workdir: Path, target: Path, work: Path, log: StepLog,
-          launch) -> None:
+          launch, *, draft: Path) -> None:
     """Plain and every speculative setting, started together, then 05 natural and fixed."""
     from contextlib import ExitStack
 
     est = profile.estimates
     if not profile.settings or not log.fits("serve_start", est.get("serve_start", 0)):
         return
-    draft = workdir / "04_train" / "final"
     servers = [launch("plain", 30060, list(profile.serve_server))]
     for i, s in enumerate(profile.settings):
         servers.append(launch(s.name, 30061 + i, [
@@ -405,13 +523,14 @@ def serve(profile: PipelineProfile, workdir: Path, target: Path, work: Path, log
                 continue
             bench_dir = work / step
             run_step(log, step, bench_command(profile, workdir, target, bench_dir, plain, specs,
-                                              fixed), work / "logs",
+                                              fixed, draft=draft), work / "logs",
                      _manifest(bench_dir, "05"), check=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     """The route on CPU against the SGLang CPU build (`--profile cpu-qwen2-smoke`): the data
-    server, 01, 01b, merge, 02b, 03, 04 and the offline 05, as on the GPU."""
+    server, 01, 01b, merge, 02b, 03, 04 and the offline 05, as on the GPU (or its two sessions:
+    `--stop-after 04`, then `--draft`)."""
     import argparse
     import logging
 
@@ -426,7 +545,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-pythonpath", default=str(ROOT / "tests" / "sglang_support"),
                    help="PYTHONPATH of the server (the CPU build's import-only stand-ins)")
     p.add_argument("--deadline-s", type=float, default=3600.0)
+    p.add_argument("--stop-after", choices=["04"],
+                   help="session A of two: stop after 04 (default: the whole route)")
+    p.add_argument("--draft", type=Path,
+                   help="session B of two: serve this draft folder (an earlier run's "
+                        "04_train/final) and run the offline 05 only (default: train one)")
     args = p.parse_args(argv)
+    if args.draft is not None and args.stop_after is not None:
+        p.error("--draft serves an earlier run's draft and --stop-after trains one: give one")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = args.out or args.work
     out.mkdir(parents=True, exist_ok=True)
@@ -440,8 +566,14 @@ def main(argv: list[str] | None = None) -> int:
         return LaunchedServer(cmd, args.work / "logs" / f"server_{name}.log",
                               f"http://127.0.0.1:{port}", ready_timeout_s=600, env=env)
 
-    record = run_pipeline(PROFILES[args.profile], args.target.resolve(), args.work.resolve(),
-                          out, time.time() + args.deadline_s, launch)
+    profile, target = PROFILES[args.profile], args.target.resolve()
+    deadline = time.time() + args.deadline_s
+    if args.draft is not None:
+        record = serve_draft(profile, target, args.draft.resolve(), args.work.resolve(), out,
+                             deadline, launch)
+    else:
+        record = run_pipeline(profile, target, args.work.resolve(), out, deadline, launch,
+                              stop_after=args.stop_after)
     print(json.dumps({k: v.get("wall_s") for k, v in record["steps"].items()}, indent=1))
     return 0
 
