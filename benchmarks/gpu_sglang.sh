@@ -93,10 +93,11 @@ drive() {  # bench_sglang_gpu.py's given phases, detached, with the pipeline's t
     local draft=()
     [ -f $G/draft_in/final/config.json ] && draft=(--pipeline-draft $G/draft_in/final)
     mkdir -p $G/out
+    # the deadline: no step starts past ~2.5 min before the machine goes
     setsid nohup python3 benchmarks/bench_sglang_gpu.py --phases "$@" --out $G/out \
         --sglang-site $SITE --smollm2 $G/target --pipeline-target $G/target "${draft[@]}" \
         --deadline-at $(( $(cat $G/t0) + HELD_S - 150 )) > $G/run_start.log 2>&1 &
-    echo $! > $G/start.pid  # the deadline: 05 stops ~2.5 min before the machine goes
+    echo $! > $G/start.pid
 }
 
 collect() {
