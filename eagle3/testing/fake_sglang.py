@@ -5,8 +5,8 @@ Answers are a pure function of the request (`fake_output`), so a test knows the 
 record must hold, and a resumed run must reproduce an uninterrupted one. Faults are drawn per
 request from a generator seeded with (seed, request id, its count), however they interleave:
 HTTP 500s, dropped connections, requests that never answer (the client's timeout fires), slow
-answers, aborted generations, and per-record failures
-(always 500, or a truncated prompt). `stop()` then `start()` on the same port is a restart.
+answers, aborted generations, and per-record faults (always 500, a truncated prompt, or
+always slow). `stop()` then `start()` on the same port is a restart.
 
 In a test (the server runs in a background thread with its own event loop):
 
@@ -50,6 +50,7 @@ class Faults:
     delay_s: tuple[float, float] = (0.0, 0.0)  # uniform latency of every answer
     fail_ids: frozenset = frozenset()  # record ids always answered HTTP 500
     truncate_ids: frozenset = frozenset()  # record ids whose prompt_tokens come back one short
+    slow_ids: frozenset = frozenset()  # record ids always answered after `slow_s`
     seed: int = 0
 
 
@@ -164,19 +165,20 @@ class FakeSGLang:
             entry["kind"] = "fail_id"
             self.drawn.append("fail_id")
             return "fail_id", web.Response(status=500, text=f"injected failure for {base}")
-        r = rng.random()
-        for kind, rate in (("error", f.error_rate), ("drop", f.drop_rate),
-                           ("hang", f.hang_rate), ("slow", f.slow_rate),
-                           ("abort", f.abort_rate)):
+        r, kind = rng.random(), "ok"
+        for k, rate in (("error", f.error_rate), ("drop", f.drop_rate),
+                        ("hang", f.hang_rate), ("slow", f.slow_rate),
+                        ("abort", f.abort_rate)):
             if r < rate:
+                kind = k
                 break
             r -= rate
-        else:
-            entry["kind"] = "ok"
-            self.drawn.append("ok")
-            return "ok", None
+        if base in f.slow_ids:
+            kind = "slow"
         entry["kind"] = kind
         self.drawn.append(kind)
+        if kind == "ok":
+            return "ok", None
         if kind == "error":
             return kind, web.Response(status=500, text="injected internal error")
         if kind == "drop":
