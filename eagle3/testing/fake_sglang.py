@@ -73,8 +73,11 @@ class FakeSGLang:
     def __init__(self, faults: Faults | None = None, port: int = 0, eos_id: int = EOS_ID,
                  vocab: tuple[int, int] = (10, 500),
                  prompt_tokens: Callable[[dict], int] | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None,
+                 answer: Callable[[dict], tuple[list[int], str]] | None = None):
         self.faults = faults or Faults()
+        # /generate's (output ids, "stop"|"length") for a request body; None = `fake_output`
+        self.answer = answer
         # /generate's "text": what the output ids decode to (the stop token left out, as
         # SGLang's detokenizer does); None = no "text" (SGLang with --skip-tokenizer-init)
         self.decode = decode
@@ -209,7 +212,8 @@ class FakeSGLang:
             entry["kind"] = kind
             if resp is not None:
                 return resp
-            out, reason = fake_output(ids, budget, self.eos_id, self.vocab)
+            out, reason = (fake_output(ids, budget, self.eos_id, self.vocab)
+                           if self.answer is None else self.answer(body))
             n_prompt = len(ids) - (rid.split("~")[0] in self.faults.truncate_ids)
             finish = ({"type": "stop", "matched": self.eos_id} if reason == "stop"
                       else {"type": "length", "length": budget})
