@@ -210,13 +210,14 @@ class SelfWriter:
     # ------------------------------------------------------------ rounds
 
     def run(self, stop=None) -> WriterState:
-        """`run_async` in a loop of its own (blocking)."""
-        return asyncio.run(self.run_async(stop))
+        """`run_async` with no event loop (blocking): every batch one after another through
+        `generate_ids`, whatever the generator."""
+        return _run_without_loop(self.run_async(stop))
 
     async def run_async(self, stop=None) -> WriterState:
         """Replay the finished rounds, then write rounds until enough conversations; `stop` (a
-        StopSignals) is checked between generation batches (and, on servers, before each
-        request is sent)."""
+        StopSignals) is checked between generation batches (and, with a ConcurrentGenerator in
+        a running loop, before each request is sent)."""
         self.cache.mkdir(parents=True, exist_ok=True)
         st, self._stop = self.state, stop
         while (path := self.cache / f"round_{st.rounds + 1:04d}.json").exists():
@@ -368,12 +369,12 @@ class SelfWriter:
 
     async def _generate(self, prompts: list[list[int]], budget: int, temperature: float,
                         where: tuple, phase: str) -> list[tuple[list[int], str]]:
-        """`prompts` in batches of `batch`, each batch seeded by (seed, where, its offset): one
-        after another in process, all at once on servers (ConcurrentGenerator)."""
+        """`prompts` in batches of `batch`, each batch seeded by (seed, where, its offset): all
+        at once through a ConcurrentGenerator in a running loop, else one after another."""
         gen, top_p = self.generator, self.spec.top_p if temperature > 0 else 1.0
         starts = range(0, len(prompts), self.batch)
         seeds = [seed_of(self.seed, self.name, *where, b) for b in starts]
-        if isinstance(gen, ConcurrentGenerator):
+        if isinstance(gen, ConcurrentGenerator) and _loop_running():
             if self._stop is not None:
                 self._stop.check()
             self._bar.set_postfix_str(f"{phase} ({len(prompts)})", refresh=False)
@@ -482,3 +483,23 @@ class SelfWriter:
             return None, "reply special token"
         return msg, None
 
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _run_without_loop(coro):
+    """Run to its end a coroutine whose awaits all finish at once (SelfWriter's rounds over
+    batches sent one after another), with no event loop, so that a generator called inside may
+    run one of its own (the server generator's `generate_ids` does)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("SelfWriter.run: a generation call waited on an event loop; await "
+                       "run_async in one instead")

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -76,7 +77,11 @@ def write_self_written(cfg: PrepareConfig, stage_dir: Path, specs: list[DatasetS
         if cfg.gen_backend == "sglang":
             written = asyncio.run(_write_together(writers, generator, cfg.gen_backend, stop))
         else:
-            written = [asyncio.run(_write(w, fp, cfg.gen_backend, stop)) for w, fp in writers]
+            written = []
+            for w, fp in writers:
+                with _server_failure(w.name):
+                    st = w.run(stop)
+                written.append(_finish(w, st, fp, cfg.gen_backend))
     return {w.name: sw for (w, _), sw in zip(writers, written, strict=True)}
 
 
@@ -99,19 +104,29 @@ def open_writer(cfg: PrepareConfig, stage_dir: Path, spec: DatasetSpec, renderer
 
 async def _write_together(writers: list[tuple[SelfWriter, str]], generator: "_LazyGenerator",
                           backend: str, stop: StopSignals) -> list[SelfWritten]:
+    async def one(writer: SelfWriter, fp: str) -> SelfWritten:
+        with _server_failure(writer.name):
+            st = await writer.run_async(stop)
+        return _finish(writer, st, fp, backend)
+
     try:
-        return await gather_or_cancel(_write(w, fp, backend, stop) for w, fp in writers)
+        return await gather_or_cancel(one(w, fp) for w, fp in writers)
     finally:
         await generator.aclose()
 
 
-async def _write(writer: SelfWriter, fp: str, backend: str, stop: StopSignals) -> SelfWritten:
-    """One dataset's rounds, then its files: conversations, held-out prompts, stats."""
+@contextmanager
+def _server_failure(name: str):
+    """A server's failure as the stage's one-line error naming the dataset."""
     try:
-        st = await writer.run_async(stop)
+        yield
     except ServerError as e:
-        raise SelfWrittenError(f"{writer.name}: the generation server failed ({e}); restart "
-                               "it and re-run the same command to resume") from e
+        raise SelfWrittenError(f"{name}: the generation server failed ({e}); restart it and "
+                               "re-run the same command to resume") from e
+
+
+def _finish(writer: SelfWriter, st, fp: str, backend: str) -> SelfWritten:
+    """A dataset's files once its rounds are done: conversations, held-out prompts, stats."""
     cache = writer.cache
     written = SelfWritten(cache / "conversations.jsonl", cache / HELDOUT,
                           {**writer_summary(writer), "fingerprint": fp, "backend": backend,

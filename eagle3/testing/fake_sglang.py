@@ -29,7 +29,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -74,10 +74,14 @@ class FakeSGLang:
                  vocab: tuple[int, int] = (10, 500),
                  prompt_tokens: Callable[[dict], int] | None = None,
                  decode: Callable[[list[int]], str] | None = None,
-                 answer: Callable[[dict], tuple[list[int], str]] | None = None):
+                 answer: Callable[[dict], tuple[list[int], str]] | None = None,
+                 pace: Callable[[int], Awaitable[None]] | None = None):
         self.faults = faults or Faults()
         # /generate's (output ids, "stop"|"length") for a request body; None = `fake_output`
         self.answer = answer
+        # awaited with the number of output ids before /generate answers (a simulated decode:
+        # benchmarks/bench_pool.py); None = no wait beyond the faults'
+        self.pace = pace
         # /generate's "text": what the output ids decode to (the stop token left out, as
         # SGLang's detokenizer does); None = no "text" (SGLang with --skip-tokenizer-init)
         self.decode = decode
@@ -214,6 +218,8 @@ class FakeSGLang:
                 return resp
             out, reason = (fake_output(ids, budget, self.eos_id, self.vocab)
                            if self.answer is None else self.answer(body))
+            if self.pace is not None:
+                await self.pace(len(out))
             n_prompt = len(ids) - (rid.split("~")[0] in self.faults.truncate_ids)
             finish = ({"type": "stop", "matched": self.eos_id} if reason == "stop"
                       else {"type": "length", "length": budget})

@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 from selfwritten_helpers import ScriptedGenerator, scripted_server
 
+from eagle3.core.chat import ChatRenderer
 from eagle3.core.faults import Interrupted
 from eagle3.core.target import load_tokenizer
 from eagle3.generate.jobs import seed_of
 from eagle3.prepare import selfwritten_run
+from eagle3.prepare.selfwritten import SelfWriter, SelfWrittenSpec
 from eagle3.prepare.server_generator import ServerGenerator
 from eagle3.testing.fake_sglang import Faults
 
@@ -140,6 +142,33 @@ def test_batches_and_datasets_on_a_server_do_not_wait_for_one_slow_reply(
     assert len(of_b) >= sets["b"][0] + sets["b"][2]  # every candidate of every round of b
     assert max(r["end"] for r in of_b) < slow_end  # b written whole during a's one slow reply
     assert max(r["inflight_at_start"] for r in by_rid.values()) <= BATCH
+
+
+def test_writer_run_with_no_loop_sends_a_servers_batches_one_after_another_alike(
+        tmp_path, tiny_target_dir, scripted):
+    """`SelfWriter.run` (blocking, no event loop) over the server generator: each batch sent
+    once the one before is in, as 01 did before, and the conversations of the scripted writer
+    in process."""
+    tok, eot = scripted
+    renderer = ChatRenderer(tok, {"thinking": True})
+    spec = SelfWrittenSpec(heldout=1, max_user_tokens=48, min_user_chars=4,
+                           reply_max_new_tokens=64, turns=[[1, 0.5], [2, 0.5]])
+    writers = {}
+    with scripted_server(tok, eot, Faults(delay_s=(0.0, 0.01))) as server:
+        for way, gen in (("server", ServerGenerator([server.url], [eot], BATCH)),
+                         ("in_process", ScriptedGenerator(tok, eot))):
+            writers[way] = SelfWriter("a", spec, renderer, tmp_path / way, count=9, seed=0,
+                                      max_seq_len=2048, batch_size=BATCH,
+                                      load_generator=lambda g=gen: g)
+            writers[way].run()
+    states = {way: (w.state.conversations, w.state.heldout) for way, w in writers.items()}
+    assert states["server"] == states["in_process"] and states["server"][0]
+    batches: dict[str, list[dict]] = {}
+    for r in server.requests:
+        batches.setdefault(r["rid"].rsplit("-", 1)[0], []).append(r)
+    spans = sorted((min(r["start"] for r in b), max(r["end"] for r in b))
+                   for b in batches.values())
+    assert len(spans) > 2 and all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 # ---------------------------------------------------------------- kills and signals
