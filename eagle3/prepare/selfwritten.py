@@ -27,13 +27,13 @@ template (eagle3/prepare/opening.py) writes a plausible user request.
   the labels (`"steer": {axis: label}`).
 - Each round is one file (`round_NNNN.json`, written whole); a re-run replays the finished
   rounds and continues, so a killed run ends with the same conversations as an uninterrupted
-  one.
-- A generator in process (`Generator`) runs the batches one after another. A server one
-  (`ConcurrentGenerator`) is sent every batch of a phase at once, and several datasets' writers
-  run in one event loop (`run_async`, eagle3/prepare/selfwritten_run.py), sharing its requests
-  in flight: no batch, round or dataset waits for another's last replies. The batches, their
-  seeds, and so the files, are the same either way. Once 100 candidates are judged and fewer than `MIN_KEEP_RATE` of them kept, the stage
+  one. Once 100 candidates are judged and fewer than `MIN_KEEP_RATE` of them kept, the stage
   stops: the target does not write user turns after this opening.
+- A generator in process (`Generator`, `run`) gets the batches one after another. A server one
+  (`ConcurrentGenerator`, `run_async` in a running loop) is sent every batch of a phase at
+  once, and several datasets' writers run in one event loop (eagle3/prepare/selfwritten_run.py)
+  sharing its requests in flight: no batch, round or dataset waits for another's last replies.
+  The batches, their seeds, and so the files, are the same either way.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ class SelfWriter:
     # ------------------------------------------------------------ multi-turn
 
     async def _conversations(self, r: int,
-                       firsts: dict[int, tuple[str, Draw]]) -> tuple[list, dict, int, int]:
+                             firsts: dict[int, tuple[str, Draw]]) -> tuple[list, dict, int, int]:
         """Conversations started by this round's prompts; (records, early ends, tokens, cut
         replies kept)."""
         spec = self.spec

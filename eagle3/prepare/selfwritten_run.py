@@ -32,7 +32,12 @@ from eagle3.prepare.config import PrepareConfig
 from eagle3.prepare.opening import TemplateCutError, derive_opening
 from eagle3.prepare.recipes import DatasetSpec, Recipe, RecipeError
 from eagle3.prepare.rows import json_line
-from eagle3.prepare.selfwritten import ConcurrentGenerator, SelfWriter, SelfWrittenError
+from eagle3.prepare.selfwritten import (
+    ConcurrentGenerator,
+    SelfWriter,
+    SelfWrittenError,
+    WriterState,
+)
 from eagle3.prepare.steer import check_steer
 
 log = logging.getLogger(__name__)
@@ -125,7 +130,7 @@ def _server_failure(name: str):
                                "re-run the same command to resume") from e
 
 
-def _finish(writer: SelfWriter, st, fp: str, backend: str) -> SelfWritten:
+def _finish(writer: SelfWriter, st: WriterState, fp: str, backend: str) -> SelfWritten:
     """A dataset's files once its rounds are done: conversations, held-out prompts, stats."""
     cache = writer.cache
     written = SelfWritten(cache / "conversations.jsonl", cache / HELDOUT,
