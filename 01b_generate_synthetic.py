@@ -13,9 +13,11 @@ itself) is retried with backoff, then the record goes to failures.jsonl, never t
 a full or read-only disk stops the stage naming the folder and the bytes needed.
 Killed (even with SIGKILL) and re-run with the same command, it resumes by record id; Ctrl-C or
 SIGTERM once lets the requests in flight finish (exit 128 + the signal, with a line saying how to
-resume), twice abandons them. Answers are appended as they complete; when a dataset is done its
-files are rewritten in the order of its conversations, so a resumed run ends with the files of
-an uninterrupted one.
+resume), twice abandons them. Answers are appended as they complete; once every answer is in
+each dataset's files are rewritten in the order of its conversations, so a resumed run ends with
+the files of an uninterrupted one. On a server backend every regenerated dataset's requests go
+through one pool (--concurrency over all of them, dataset after dataset), so that no dataset
+waits for the last long replies of the one before.
 
 Backends: `sglang` (the real run: native /generate, exact output ids), `openai` (any
 /v1/chat/completions server; the reply is re-rendered with the template), `hf` (in process).

@@ -29,7 +29,7 @@ from pathlib import Path
 from eagle3.core.server import RetryPolicy, ServerPool, make_session, post_once
 from eagle3.generate.backends import SGLangBackend
 from eagle3.generate.jobs import GenerationJob, RecordSink
-from eagle3.generate.runner import GenerationRun, RunnerConfig
+from eagle3.generate.runner import GenerationRun, Route, RunnerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,15 +89,14 @@ def make_jobs(n: int, prompt_tokens: int, seed: int = 0) -> list[GenerationJob]:
 
 async def run_stage_client(jobs, urls, concurrency, out_dir: Path) -> dict:
     backend = SGLangBackend(ServerPool(urls), 7, RetryPolicy(base_delay_s=0.5, timeout_s=60))
-    sink = RecordSink(out_dir)
+    route = Route("bench", jobs, RecordSink(out_dir))
     cfg = RunnerConfig(concurrency=concurrency, long_concurrency=concurrency,
                        long_context_threshold=10**9, max_attempts=6,
                        server_down_timeout_s=1800.0, poll_s=5.0, probe_timeout_s=30.0)
     async with make_session(concurrency + 8) as session:
-        counts = await GenerationRun(backend, sink, cfg, backend.policy, _NoBar()).run(
-            jobs, session)
-    sink.close()
-    return {**counts, **sink.counts}
+        await GenerationRun(backend, [route], cfg, backend.policy, _NoBar()).run(session)
+    route.sink.close()
+    return route.result()
 
 
 async def run_bare_client(jobs, urls, concurrency) -> dict:

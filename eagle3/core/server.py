@@ -197,6 +197,24 @@ def make_session(max_connections: int, headers: dict | None = None) -> aiohttp.C
     return aiohttp.ClientSession(connector=connector, headers=headers)
 
 
+async def gather_or_cancel(aws) -> list:
+    """The results of the awaitables `aws`, run together, in their order. The first to fail
+    cancels the others (their requests in flight are dropped, those not sent are never sent)
+    and its error is raised once they have ended."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        if tasks:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def post_once(session: aiohttp.ClientSession, url: str, payload: dict, timeout_s: float,
                     what: str, headers: dict | None = None) -> dict:
     """One POST attempt: the JSON answer, TransientError (retry) or ServerError (do not)."""

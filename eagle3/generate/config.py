@@ -27,8 +27,10 @@ class GenerateConfig(UpstreamStageFlags):
     thinking: bool = arg(True, "render prompts with thinking on (the served reasoning mode)")
     keep_length: bool = arg(True, "keep replies cut by the length limit (finish_reason "
                                   "'length'); --no-keep-length drops them")
-    concurrency: int = arg(200, "sglang/openai: requests in flight (150-200 up to ~10K context)")
-    long_concurrency: int = arg(32, "requests in flight in the second, long-context pass")
+    concurrency: int = arg(200, "sglang/openai: requests in flight over every dataset (one "
+                                "pool; 150-200 up to ~10K context)")
+    long_concurrency: int = arg(32, "requests in flight in the second, long-context pass (every "
+                                    "dataset's long jobs, after all the short ones)")
     long_context_threshold: int = arg(10240, "prompt + budget tokens above which a request "
                                              "runs in the long-context pass")
     max_attempts: int = arg(6, "attempts per record before it goes to failures.jsonl")

@@ -1,9 +1,14 @@
 """Driving a server backend of stage 01b over many prompts, for days, without losing a sample.
 
-- Bounded concurrency: `concurrency` requests in flight (150-200 suit SGLang up to ~10K context).
-  Jobs whose prompt plus generation budget exceed `long_context_threshold` tokens run in a second
-  pass at `long_concurrency`, so that a few long requests cannot exhaust the KV cache of a server
-  full of short ones.
+- One pool for every dataset: the jobs of all the datasets regenerated go through one set of
+  workers (each dataset a `Route`: its jobs, its sink, its counts), dataset after dataset in the
+  order given, so that the next dataset's requests fill the places the last long replies of the
+  one before leave free (run one dataset after another, each ended with a tail of a few
+  replies running almost alone on the server). Each answer goes to its own dataset's files.
+- Bounded concurrency: `concurrency` requests in flight (150-200 suit SGLang up to ~10K context),
+  over the whole pool. Jobs whose prompt plus generation budget exceed `long_context_threshold`
+  tokens, of every dataset, run in a second pass at `long_concurrency`, so that a few long
+  requests cannot exhaust the KV cache of a server full of short ones.
 - Retries: a request that fails transiently (5xx, 429, timeout, dropped connection, an aborted
   generation) is retried with exponential backoff; after `max_attempts` attempts, or at once for
   an answer that cannot become a record (truncated prompt, template mismatch, 4xx), the record
@@ -32,7 +37,7 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import aiohttp
@@ -154,28 +159,65 @@ class ServerWatch:
             task.cancel()
 
 
-class GenerationRun:
-    """One dataset's jobs through a backend into a sink; `await run(jobs)` returns counts."""
+@dataclass
+class Route:
+    """One dataset's part of a pooled run: its jobs, the sink its answers go to, and what its
+    requests did (filled in by the run)."""
 
-    def __init__(self, backend, sink: RecordSink, cfg: RunnerConfig, policy: RetryPolicy, bar):
-        self.backend, self.sink, self.cfg, self.policy, self.bar = backend, sink, cfg, policy, bar
+    name: str
+    jobs: list[GenerationJob]
+    sink: RecordSink
+    counts: dict = field(default_factory=lambda: {"requests": 0, "retries": 0, "abandoned": 0,
+                                                  "max_inflight": 0})
+    stats: dict = field(default_factory=dict)  # its share of the backend's counters
+    seconds: float = 0.0  # from its first request sent to its last answer
+    # the pool's requests per server when its last answer came (cumulative over the run)
+    servers: dict = field(default_factory=dict)
+    left: int = -1  # jobs without an answer yet (-1: not started)
+    started: float | None = None
+
+    def result(self) -> dict:
+        """The dataset's counts, in the manifest's order: its requests, then its sink's."""
+        return {**self.counts, **self.sink.counts, "seconds": round(self.seconds, 1),
+                "servers": self.servers, **self.stats}
+
+
+class GenerationRun:
+    """The jobs of one or several datasets (`routes`) through one backend: one pool of
+    requests, each answer into its own route's sink; `await run(session)` fills each route's
+    counts and returns the pool's."""
+
+    def __init__(self, backend, routes: list[Route], cfg: RunnerConfig, policy: RetryPolicy,
+                 bar):
+        self.backend, self.routes, self.cfg, self.policy, self.bar = (backend, routes, cfg,
+                                                                     policy, bar)
         self.stopping = False
         self.signum: int | None = None
         self.fatal: BaseException | None = None
-        self.inflight: dict[str, GenerationJob] = {}
+        # (dataset, record id) -> (route, job): two datasets may hold the same record id
+        self.inflight: dict[tuple[str, str], tuple[Route, GenerationJob]] = {}
         self.workers: list[asyncio.Task] = []
         self._aborts: list[asyncio.Task] = []
-        self.counts = {"requests": 0, "retries": 0, "abandoned": 0, "max_inflight": 0}
+        self.max_inflight = 0
 
-    async def run(self, jobs: list[GenerationJob], session: aiohttp.ClientSession) -> dict:
+    async def run(self, session: aiohttp.ClientSession) -> dict:
         self.watch = ServerWatch(session, self.backend.pool, self.backend.probe_path, self.cfg)
         self.session = session
-        short, long = partition(jobs, self.cfg.long_context_threshold)
-        self.counts.update(short_jobs=len(short), long_jobs=len(long))
+        short, long = [], []
+        for route in self.routes:  # dataset after dataset: the order the pool sends them in
+            s, lg = partition(route.jobs, self.cfg.long_context_threshold)
+            route.counts.update(short_jobs=len(s), long_jobs=len(lg))
+            route.stats = {k: 0 for k in self.backend.stats}
+            route.left = len(route.jobs)
+            if not route.jobs:  # resumed whole: nothing to send
+                route.servers = dict(self.backend.pool.sent)
+            short += [(route, j) for j in s]
+            long += [(route, j) for j in lg]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         ticker = asyncio.create_task(self._tick())
+        t0 = time.monotonic()
         try:
             for part, conc in ((short, self.cfg.concurrency), (long, self.cfg.long_concurrency)):
                 if part and not self.stopping:
@@ -188,16 +230,18 @@ class GenerationRun:
                 loop.remove_signal_handler(sig)
             ticker.cancel()
             self.watch.close()
-            self.sink.flush()
+            for route in self.routes:
+                route.sink.flush()
             if self._aborts:
                 await asyncio.wait(self._aborts, timeout=10.0)
         if self.fatal is not None:
             raise self.fatal
         if self.signum is not None:
             raise Interrupted(self.signum, RESUME)
-        return self.counts
+        return {"requests": sum(r.counts["requests"] for r in self.routes),
+                "max_inflight": self.max_inflight, "seconds": round(time.monotonic() - t0, 1)}
 
-    async def _pass(self, jobs: list[GenerationJob], concurrency: int) -> None:
+    async def _pass(self, jobs: list[tuple[Route, GenerationJob]], concurrency: int) -> None:
         it = iter(jobs)  # shared by the workers: each pulls the next job when it is free
         self.workers = [asyncio.create_task(self._worker(it))
                         for _ in range(min(concurrency, len(jobs)))]
@@ -212,40 +256,51 @@ class GenerationRun:
             await asyncio.gather(*self.workers, return_exceptions=True)
             raise
 
-    async def _worker(self, it: Iterator[GenerationJob]) -> None:
+    async def _worker(self, it: Iterator[tuple[Route, GenerationJob]]) -> None:
         while not self.stopping:
-            job = next(it, None)
+            route, job = next(it, (None, None))
             if job is None:
                 return
-            self.inflight[job.id] = job
-            self.counts["max_inflight"] = max(self.counts["max_inflight"], len(self.inflight))
+            key = (route.name, job.id)
+            self.inflight[key] = (route, job)
+            self.max_inflight = max(self.max_inflight, len(self.inflight))
+            route.counts["max_inflight"] = max(route.counts["max_inflight"], len(self.inflight))
+            if route.started is None:
+                route.started = time.monotonic()
             try:
-                await self._one(job)
+                await self._one(route, job)
             except asyncio.CancelledError:
-                self.counts["abandoned"] += 1
+                route.counts["abandoned"] += 1
                 raise
             except ServerDownError as e:  # the first says it; others may follow it
                 self.fatal, self.stopping = self.fatal or e, True
                 return
             finally:
-                self.inflight.pop(job.id, None)
-            self.bar.update(1)
+                self.inflight.pop(key, None)
+            self._answered(route)
 
-    async def _one(self, job: GenerationJob) -> None:
-        """Generate one record, retrying; it ends in the sink as a record or a failure."""
-        attempt = 0
+    def _answered(self, route: Route) -> None:
+        """A job of `route` ended in its sink (a record or a failure)."""
+        self.bar.update(1)
+        route.left -= 1
+        if route.left == 0:
+            route.seconds = time.monotonic() - route.started
+            route.servers = dict(self.backend.pool.sent)
+            if len(self.routes) > 1:
+                log.info("%s: every answer in (%d jobs in %.1fs)", route.name,
+                         len(route.jobs), route.seconds)
+
+    async def _one(self, route: Route, job: GenerationJob) -> None:
+        """Generate one record, retrying; it ends in its route's sink as a record or a
+        failure."""
+        attempt, sink = 0, route.sink
         while True:
-            self.counts["requests"] += 1
+            route.counts["requests"] += 1
             try:
                 answer = await self.backend.request(self.session, job, attempt)
                 self.watch.answered()
-                try:
-                    record, raw = self.backend.to_record(job, answer, attempt)
-                except (KeyError, TypeError, AttributeError, IndexError) as e:
-                    # A shape of answer the backend's checks did not foresee: this record
-                    # fails (never written as good) and the run goes on.
-                    raise RecordFailure(f"malformed answer: {e!r} ({str(answer)[:200]})") from e
-                self.sink.add(record, raw)
+                record, raw = self._to_record(route, job, answer, attempt)
+                sink.add(record, raw)
                 return
             except TransientError as e:
                 # a server down: wait for it, costs no attempt (unless it answers its probe)
@@ -253,16 +308,31 @@ class GenerationRun:
                     continue
                 attempt += 1
                 if attempt >= self.cfg.max_attempts:
-                    self.sink.fail(job.id, f"gave up after {attempt} attempts", str(e), attempt)
+                    sink.fail(job.id, f"gave up after {attempt} attempts", str(e), attempt)
                     return
-                self.counts["retries"] += 1
+                route.counts["retries"] += 1
                 await asyncio.sleep(self.policy.delay_s(attempt))
             except RecordFailure as e:  # not retried: this answer is final
-                self.sink.fail(job.id, str(e).split(":")[0], str(e), attempt + 1)
+                sink.fail(job.id, str(e).split(":")[0], str(e), attempt + 1)
                 return
             except ServerError as e:  # a 4xx: the server refuses this request
-                self.sink.fail(job.id, "refused by the server", str(e), attempt + 1)
+                sink.fail(job.id, "refused by the server", str(e), attempt + 1)
                 return
+
+    def _to_record(self, route: Route, job: GenerationJob, answer: dict,
+                   attempt: int) -> tuple[dict, dict]:
+        """The backend's record of an answer; what it counts on the way (its `stats`) is
+        credited to `route`: the call does not yield, so no other answer is counted between."""
+        before = dict(self.backend.stats)
+        try:
+            return self.backend.to_record(job, answer, attempt)
+        except (KeyError, TypeError, AttributeError, IndexError) as e:
+            # A shape of answer the backend's checks did not foresee: this record fails (never
+            # written as good) and the run goes on.
+            raise RecordFailure(f"malformed answer: {e!r} ({str(answer)[:200]})") from e
+        finally:
+            for k, v in self.backend.stats.items():
+                route.stats[k] = route.stats.get(k, 0) + v - before.get(k, 0)
 
     def _on_signal(self, signum: int) -> None:
         if self.signum is None:
@@ -274,7 +344,7 @@ class GenerationRun:
                     len(self.inflight))
         abort = getattr(self.backend, "abort", None)
         if abort is not None:
-            for job in list(self.inflight.values()):
+            for _, job in list(self.inflight.values()):
                 self._aborts.append(asyncio.get_running_loop().create_task(
                     abort(self.session, job)))
         for w in self.workers:
@@ -285,12 +355,14 @@ class GenerationRun:
         t0 = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
-            c = self.sink.counts
-            tok_s = c["output_tokens"] / max(time.monotonic() - t0, 1e-9)
-            self.bar.set_postfix_str(f"out {tok_s:,.0f} tok/s | failed {c['failed']} | "
+            tokens = sum(r.sink.counts["output_tokens"] for r in self.routes)
+            failed = sum(r.sink.counts["failed"] for r in self.routes)
+            tok_s = tokens / max(time.monotonic() - t0, 1e-9)
+            self.bar.set_postfix_str(f"out {tok_s:,.0f} tok/s | failed {failed} | "
                                      f"in flight {len(self.inflight)}", refresh=False)
             try:
-                self.sink.flush()
+                for r in self.routes:
+                    r.sink.flush()
             except DiskError as e:  # the disk is full: stop now, the answers in flight are lost
                 self.fatal, self.stopping = e, True
                 for w in self.workers:
@@ -298,13 +370,14 @@ class GenerationRun:
                 return
 
 
-def run_remote(jobs: list[GenerationJob], backend, sink: RecordSink, cfg: RunnerConfig,
-               policy: RetryPolicy, bar) -> dict:
-    """Run `jobs` through a server backend (blocking); returns the run's counts."""
+def run_pooled(routes: list[Route], backend, cfg: RunnerConfig, policy: RetryPolicy,
+               bar) -> dict:
+    """Run every route's jobs through a server backend in one pool (blocking); each route's
+    counts are filled in, the pool's returned."""
 
     async def go() -> dict:
         async with make_session(max(cfg.concurrency, cfg.long_concurrency) + 8) as session:
-            return await GenerationRun(backend, sink, cfg, policy, bar).run(jobs, session)
+            return await GenerationRun(backend, routes, cfg, policy, bar).run(session)
 
     return asyncio.run(go())
 

@@ -34,8 +34,9 @@ class PrepareConfig(StageFlags):
     server_url: list[str] = arg(["http://127.0.0.1:30000"], "sglang: server base URLs of the "
                                                             "target")
     gen_batch_size: int = arg(64, "self_written: prompts generated together (hf: one batch; "
-                                  "sglang: requests in flight); part of what fixes the sampled "
-                                  "turns (changing it starts the dataset over)")
+                                  "sglang: requests in flight over every dataset); part of what "
+                                  "fixes the sampled turns (changing it starts the dataset "
+                                  "over)")
     dtype: str = arg("float32", "hf: model dtype", choices=["float32", "bfloat16", "float16"])
     device: str = arg("cpu", "hf: torch device (cuda, cuda:1, cpu)")
 

@@ -29,10 +29,16 @@ template (eagle3/prepare/opening.py) writes a plausible user request.
   rounds and continues, so a killed run ends with the same conversations as an uninterrupted
   one. Once 100 candidates are judged and fewer than `MIN_KEEP_RATE` of them kept, the stage
   stops: the target does not write user turns after this opening.
+- A generator in process (`Generator`, `run`) gets the batches one after another. A server one
+  (`ConcurrentGenerator`, `run_async` in a running loop) is sent every batch of a phase at
+  once, and several datasets' writers run in one event loop (eagle3/prepare/selfwritten_run.py)
+  sharing its requests in flight: no batch, round or dataset waits for another's last replies.
+  The batches, their seeds, and so the files, are the same either way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -41,11 +47,12 @@ import re
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from eagle3.core.chat import ChatRenderer
 from eagle3.core.progress import progress
 from eagle3.core.records import RecordError
+from eagle3.core.server import gather_or_cancel
 from eagle3.core.stage import StageError, atomic_write_json
 from eagle3.generate.jobs import seed_of
 from eagle3.prepare.conversations import split_inline_reasoning
@@ -73,6 +80,18 @@ class Generator(Protocol):
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: list[int] | int,
                      temperature: float = 0.0, top_p: float = 1.0,
                      seed: int = 0) -> list[tuple[list[int], str]]: ...
+
+
+@runtime_checkable
+class ConcurrentGenerator(Protocol):
+    """A generator over servers (eagle3.prepare.server_generator.ServerGenerator): the calls
+    made together in one event loop share its requests in flight."""
+
+    async def agenerate_ids(self, prompts: list[list[int]], max_new_tokens: list[int] | int,
+                            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                            stop=None) -> list[tuple[list[int], str]]: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass
@@ -191,8 +210,14 @@ class SelfWriter:
     # ------------------------------------------------------------ rounds
 
     def run(self, stop=None) -> WriterState:
+        """`run_async` with no event loop (blocking): every batch one after another through
+        `generate_ids`, whatever the generator."""
+        return _run_without_loop(self.run_async(stop))
+
+    async def run_async(self, stop=None) -> WriterState:
         """Replay the finished rounds, then write rounds until enough conversations; `stop` (a
-        StopSignals) is checked between generation batches."""
+        StopSignals) is checked between generation batches (and, with a ConcurrentGenerator in
+        a running loop, before each request is sent)."""
         self.cache.mkdir(parents=True, exist_ok=True)
         st, self._stop = self.state, stop
         while (path := self.cache / f"round_{st.rounds + 1:04d}.json").exists():
@@ -206,7 +231,7 @@ class SelfWriter:
         self._bar.update(len(st.conversations) + len(st.heldout))
         try:
             while st.kept < self.wanted and st.rounds < self.spec.max_rounds:
-                rnd = self._round(st.rounds + 1)
+                rnd = await self._round(st.rounds + 1)
                 atomic_write_json(self.cache / f"round_{rnd['round']:04d}.json", rnd)
                 self._absorb(rnd, replay=False)
                 self._check_keep_rate()
@@ -258,13 +283,13 @@ class SelfWriter:
                 ROUND_BATCHES * self.batch)
         return self.batch * math.ceil(n / self.batch)
 
-    def _round(self, r: int) -> dict:
+    async def _round(self, r: int) -> dict:
         t0 = time.perf_counter()
         spec, st = self.spec, self.state
         n = self._candidates()
         draws = [self.draw(r, k) for k in range(n)]
-        outs = self._generate([self.opening_ids(d) for d in draws], spec.max_user_tokens,
-                              spec.temperature, ("user", r), f"round {r}: user turns")
+        outs = await self._generate([self.opening_ids(d) for d in draws], spec.max_user_tokens,
+                                    spec.temperature, ("user", r), f"round {r}: user turns")
         rejected = {k: 0 for k in REASONS}
         examples: dict[str, list[str]] = {}
         kept: list[tuple[str, Draw]] = []
@@ -287,7 +312,7 @@ class SelfWriter:
                    for k, (text, d) in enumerate(kept[:to_held])]
         self._bar.update(len(heldout))
         firsts = {st.kept + k: kd for k, kd in enumerate(kept) if k >= to_held}
-        convs, ended, more, cut = self._conversations(r, firsts)
+        convs, ended, more, cut = await self._conversations(r, firsts)
         return {"round": r, "seed": self.seed, "candidates": n, "judged": judged,
                 "surplus": n - judged, "rejected": rejected, "kept": [t for t, _ in kept],
                 "heldout": heldout, "conversations": convs, "ended_early": ended,
@@ -342,23 +367,33 @@ class SelfWriter:
                 return text, why
         return text, None
 
-    def _generate(self, prompts: list[list[int]], budget: int, temperature: float,
-                  where: tuple, phase: str) -> list[tuple[list[int], str]]:
-        """`prompts` in batches of `batch`, each batch seeded by (seed, where, its offset)."""
+    async def _generate(self, prompts: list[list[int]], budget: int, temperature: float,
+                        where: tuple, phase: str) -> list[tuple[list[int], str]]:
+        """`prompts` in batches of `batch`, each batch seeded by (seed, where, its offset): all
+        at once through a ConcurrentGenerator in a running loop, else one after another."""
+        gen, top_p = self.generator, self.spec.top_p if temperature > 0 else 1.0
+        starts = range(0, len(prompts), self.batch)
+        seeds = [seed_of(self.seed, self.name, *where, b) for b in starts]
+        if isinstance(gen, ConcurrentGenerator) and _loop_running():
+            if self._stop is not None:
+                self._stop.check()
+            self._bar.set_postfix_str(f"{phase} ({len(prompts)})", refresh=False)
+            outs = await gather_or_cancel(
+                gen.agenerate_ids(prompts[b:b + self.batch], budget, temperature, top_p, s,
+                                  self._stop) for b, s in zip(starts, seeds))
+            return [o for out in outs for o in out]
         out: list[tuple[list[int], str]] = []
-        for b in range(0, len(prompts), self.batch):
+        for b, s in zip(starts, seeds):
             if self._stop is not None:
                 self._stop.check()
             self._bar.set_postfix_str(f"{phase} {b}/{len(prompts)}", refresh=False)
-            out += self.generator.generate_ids(prompts[b:b + self.batch], budget, temperature,
-                                               self.spec.top_p if temperature > 0 else 1.0,
-                                               seed_of(self.seed, self.name, *where, b))
+            out += gen.generate_ids(prompts[b:b + self.batch], budget, temperature, top_p, s)
         return out
 
     # ------------------------------------------------------------ multi-turn
 
-    def _conversations(self, r: int,
-                       firsts: dict[int, tuple[str, Draw]]) -> tuple[list, dict, int, int]:
+    async def _conversations(self, r: int,
+                             firsts: dict[int, tuple[str, Draw]]) -> tuple[list, dict, int, int]:
         """Conversations started by this round's prompts; (records, early ends, tokens, cut
         replies kept)."""
         spec = self.spec
@@ -389,8 +424,9 @@ class SelfWriter:
             active = sorted((i for i in active if alive[i]), key=lambda i: -len(prompts[i]))
             if not active:
                 break
-            replies = self._generate([prompts[i] for i in active], spec.reply_max_new_tokens,
-                                     0.0, ("reply", r, turn), f"round {r}: replies to user turn {turn - 1}")
+            replies = await self._generate([prompts[i] for i in active],
+                                           spec.reply_max_new_tokens, 0.0, ("reply", r, turn),
+                                           f"round {r}: replies to user turn {turn - 1}")
             tokens += sum(len(ids) for ids, _ in replies)
             ready, user_prompts = [], []
             for i, (ids, finish) in zip(active, replies):
@@ -408,8 +444,8 @@ class SelfWriter:
                     continue
                 convs[i]["messages"].append(msg)
                 ready.append(i)
-            users = self._generate(user_prompts, spec.max_user_tokens, spec.temperature,
-                                   ("user", r, turn), f"round {r}: user turns {turn}")
+            users = await self._generate(user_prompts, spec.max_user_tokens, spec.temperature,
+                                         ("user", r, turn), f"round {r}: user turns {turn}")
             tokens += sum(len(ids) for ids, _ in users)
             for i, (ids, finish) in zip(ready, users):
                 text, why = self.judge(ids, finish, [filters[i]])
@@ -447,3 +483,23 @@ class SelfWriter:
             return None, "reply special token"
         return msg, None
 
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _run_without_loop(coro):
+    """Run to its end a coroutine whose awaits all finish at once (SelfWriter's rounds over
+    batches sent one after another), with no event loop, so that a generator called inside may
+    run one of its own (the server generator's `generate_ids` does)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("SelfWriter.run: a generation call waited on an event loop; await "
+                       "run_async in one instead")

@@ -1,7 +1,8 @@
 """Stage 01's side of the self-written source (eagle3/prepare/selfwritten.py): the template check
 before the stage starts, the target loaded once for every self-written dataset, each dataset's
-rounds written and resumed, its conversations handed to 01 as a local source, and `heldout.jsonl`
-placed beside its output.
+rounds written and resumed (one dataset after another in process; on SGLang servers every
+dataset's rounds together, in one event loop, over one generator's requests in flight), its
+conversations handed to 01 as a local source, and `heldout.jsonl` placed beside its output.
 
 Files, under `01_prepared/.self_written/<dataset>/<fingerprint>/`: `round_NNNN.json` (one per
 round, written whole), `conversations.jsonl` (`{"id", "messages"}` a line, read by 01 with the
@@ -14,22 +15,29 @@ old rounds are dropped, logged).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3.core.chat import ChatRenderer
 from eagle3.core.faults import StopSignals
-from eagle3.core.server import ServerError
+from eagle3.core.server import ServerError, gather_or_cancel
 from eagle3.core.stage import atomic_write_bytes, atomic_write_json
 from eagle3.prepare.config import PrepareConfig
 from eagle3.prepare.opening import TemplateCutError, derive_opening
 from eagle3.prepare.recipes import DatasetSpec, Recipe, RecipeError
 from eagle3.prepare.rows import json_line
-from eagle3.prepare.selfwritten import SelfWriter, SelfWrittenError
+from eagle3.prepare.selfwritten import (
+    ConcurrentGenerator,
+    SelfWriter,
+    SelfWrittenError,
+    WriterState,
+)
 from eagle3.prepare.steer import check_steer
 
 log = logging.getLogger(__name__)
@@ -63,35 +71,75 @@ def check_self_written(recipe: Recipe, renderer: ChatRenderer) -> None:
 
 def write_self_written(cfg: PrepareConfig, stage_dir: Path, specs: list[DatasetSpec],
                        renderer: ChatRenderer, render_fp: str) -> dict[str, SelfWritten]:
-    """Write (or finish, or reuse) every self-written dataset; the target loads at most once."""
+    """Write (or finish, or reuse) every self-written dataset; the target loads at most once.
+    In process (`hf`) one dataset after another; on SGLang servers every dataset's rounds in one
+    event loop, sharing the server generator's requests in flight, so that no dataset waits for
+    another's last replies (a failure in one stops them all; each keeps its finished rounds)."""
     generator = _LazyGenerator(cfg, renderer)
-    out = {}
     with StopSignals() as stop:
-        for spec in specs:
-            fp = fingerprint(cfg, spec, render_fp)
-            root = Path(stage_dir) / CACHE_DIR / spec.name
-            for old in sorted(root.iterdir()) if root.is_dir() else []:
-                if old.name != fp:
-                    log.warning("%s: recipe entry, target or generation settings changed: "
-                                "dropping the self-written rounds of %s", spec.name, old.name)
-                    shutil.rmtree(old)
-            cache = root / fp
-            writer = SelfWriter(spec.name, spec.self_written, renderer, cache, count=spec.count,
-                                seed=spec.seed, max_seq_len=spec.max_seq_len,
-                                batch_size=cfg.gen_batch_size, load_generator=generator.get)
-            try:
-                st = writer.run(stop)
-            except ServerError as e:
-                raise SelfWrittenError(f"{spec.name}: the generation server failed ({e}); "
-                                       "restart it and re-run the same command to resume") from e
-            out[spec.name] = SelfWritten(cache / "conversations.jsonl", cache / HELDOUT,
-                                         {**writer_summary(writer), "fingerprint": fp,
-                                          "backend": cfg.gen_backend, "heldout_file": HELDOUT})
-            atomic_write_bytes(out[spec.name].conversations,
-                               b"".join(json_line(c) for c in st.conversations))
-            atomic_write_bytes(out[spec.name].heldout, b"".join(json_line(h) for h in st.heldout))
-            atomic_write_json(cache / "stats.json", out[spec.name].info)
-    return out
+        writers = [open_writer(cfg, stage_dir, spec, renderer, render_fp, generator)
+                   for spec in specs]
+        if cfg.gen_backend == "sglang":
+            written = asyncio.run(_write_together(writers, generator, cfg.gen_backend, stop))
+        else:
+            written = []
+            for w, fp in writers:
+                with _server_failure(w.name):
+                    st = w.run(stop)
+                written.append(_finish(w, st, fp, cfg.gen_backend))
+    return {w.name: sw for (w, _), sw in zip(writers, written, strict=True)}
+
+
+def open_writer(cfg: PrepareConfig, stage_dir: Path, spec: DatasetSpec, renderer: ChatRenderer,
+                render_fp: str, generator: "_LazyGenerator") -> tuple[SelfWriter, str]:
+    """(the dataset's writer over its cache folder, the folder's fingerprint); the folders of
+    other fingerprints (a changed entry, target or setting) are dropped."""
+    fp = fingerprint(cfg, spec, render_fp)
+    root = Path(stage_dir) / CACHE_DIR / spec.name
+    for old in sorted(root.iterdir()) if root.is_dir() else []:
+        if old.name != fp:
+            log.warning("%s: recipe entry, target or generation settings changed: "
+                        "dropping the self-written rounds of %s", spec.name, old.name)
+            shutil.rmtree(old)
+    writer = SelfWriter(spec.name, spec.self_written, renderer, root / fp, count=spec.count,
+                        seed=spec.seed, max_seq_len=spec.max_seq_len,
+                        batch_size=cfg.gen_batch_size, load_generator=generator.get)
+    return writer, fp
+
+
+async def _write_together(writers: list[tuple[SelfWriter, str]], generator: "_LazyGenerator",
+                          backend: str, stop: StopSignals) -> list[SelfWritten]:
+    async def one(writer: SelfWriter, fp: str) -> SelfWritten:
+        with _server_failure(writer.name):
+            st = await writer.run_async(stop)
+        return _finish(writer, st, fp, backend)
+
+    try:
+        return await gather_or_cancel(one(w, fp) for w, fp in writers)
+    finally:
+        await generator.aclose()
+
+
+@contextmanager
+def _server_failure(name: str):
+    """A server's failure as the stage's one-line error naming the dataset."""
+    try:
+        yield
+    except ServerError as e:
+        raise SelfWrittenError(f"{name}: the generation server failed ({e}); restart it and "
+                               "re-run the same command to resume") from e
+
+
+def _finish(writer: SelfWriter, st: WriterState, fp: str, backend: str) -> SelfWritten:
+    """A dataset's files once its rounds are done: conversations, held-out prompts, stats."""
+    cache = writer.cache
+    written = SelfWritten(cache / "conversations.jsonl", cache / HELDOUT,
+                          {**writer_summary(writer), "fingerprint": fp, "backend": backend,
+                           "heldout_file": HELDOUT})
+    atomic_write_bytes(written.conversations, b"".join(json_line(c) for c in st.conversations))
+    atomic_write_bytes(written.heldout, b"".join(json_line(h) for h in st.heldout))
+    atomic_write_json(cache / "stats.json", written.info)
+    return written
 
 
 def place_heldout(written: SelfWritten, out_dir: Path) -> None:
@@ -151,6 +199,11 @@ class _LazyGenerator:
         if self._gen is None:
             self._gen = build_generator(self.cfg, self.renderer)
         return self._gen
+
+    async def aclose(self) -> None:
+        """Close a server generator's session of the running loop (if one was built)."""
+        if isinstance(self._gen, ConcurrentGenerator):
+            await self._gen.aclose()
 
 
 def build_generator(cfg: PrepareConfig, renderer: ChatRenderer):

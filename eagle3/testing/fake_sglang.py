@@ -5,8 +5,8 @@ Answers are a pure function of the request (`fake_output`), so a test knows the 
 record must hold, and a resumed run must reproduce an uninterrupted one. Faults are drawn per
 request from a generator seeded with (seed, request id, its count), however they interleave:
 HTTP 500s, dropped connections, requests that never answer (the client's timeout fires), slow
-answers, aborted generations, and per-record failures
-(always 500, or a truncated prompt). `stop()` then `start()` on the same port is a restart.
+answers, aborted generations, and per-record faults (always 500, a truncated prompt, or
+always slow). `stop()` then `start()` on the same port is a restart.
 
 In a test (the server runs in a background thread with its own event loop):
 
@@ -29,7 +29,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -50,6 +50,7 @@ class Faults:
     delay_s: tuple[float, float] = (0.0, 0.0)  # uniform latency of every answer
     fail_ids: frozenset = frozenset()  # record ids always answered HTTP 500
     truncate_ids: frozenset = frozenset()  # record ids whose prompt_tokens come back one short
+    slow_ids: frozenset = frozenset()  # record ids always answered after `slow_s`
     seed: int = 0
 
 
@@ -72,8 +73,15 @@ class FakeSGLang:
     def __init__(self, faults: Faults | None = None, port: int = 0, eos_id: int = EOS_ID,
                  vocab: tuple[int, int] = (10, 500),
                  prompt_tokens: Callable[[dict], int] | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None,
+                 answer: Callable[[dict], tuple[list[int], str]] | None = None,
+                 pace: Callable[[int], Awaitable[None]] | None = None):
         self.faults = faults or Faults()
+        # /generate's (output ids, "stop"|"length") for a request body; None = `fake_output`
+        self.answer = answer
+        # awaited with the number of output ids before /generate answers (a simulated decode:
+        # benchmarks/bench_pool.py); None = no wait beyond the faults'
+        self.pace = pace
         # /generate's "text": what the output ids decode to (the stop token left out, as
         # SGLang's detokenizer does); None = no "text" (SGLang with --skip-tokenizer-init)
         self.decode = decode
@@ -164,19 +172,20 @@ class FakeSGLang:
             entry["kind"] = "fail_id"
             self.drawn.append("fail_id")
             return "fail_id", web.Response(status=500, text=f"injected failure for {base}")
-        r = rng.random()
-        for kind, rate in (("error", f.error_rate), ("drop", f.drop_rate),
-                           ("hang", f.hang_rate), ("slow", f.slow_rate),
-                           ("abort", f.abort_rate)):
+        r, kind = rng.random(), "ok"
+        for k, rate in (("error", f.error_rate), ("drop", f.drop_rate),
+                        ("hang", f.hang_rate), ("slow", f.slow_rate),
+                        ("abort", f.abort_rate)):
             if r < rate:
+                kind = k
                 break
             r -= rate
-        else:
-            entry["kind"] = "ok"
-            self.drawn.append("ok")
-            return "ok", None
+        if base in f.slow_ids:
+            kind = "slow"
         entry["kind"] = kind
         self.drawn.append(kind)
+        if kind == "ok":
+            return "ok", None
         if kind == "error":
             return kind, web.Response(status=500, text="injected internal error")
         if kind == "drop":
@@ -207,7 +216,10 @@ class FakeSGLang:
             entry["kind"] = kind
             if resp is not None:
                 return resp
-            out, reason = fake_output(ids, budget, self.eos_id, self.vocab)
+            out, reason = (fake_output(ids, budget, self.eos_id, self.vocab)
+                           if self.answer is None else self.answer(body))
+            if self.pace is not None:
+                await self.pace(len(out))
             n_prompt = len(ids) - (rid.split("~")[0] in self.faults.truncate_ids)
             finish = ({"type": "stop", "matched": self.eos_id} if reason == "stop"
                       else {"type": "length", "length": budget})

@@ -41,6 +41,16 @@ def test_bench_prepare_runs_the_stage_beside_the_raw_tokenizer(tmp_path):
         assert 0 < ratio < 5
 
 
+def test_bench_pool_runs_both_stages_both_ways_and_checks_they_write_the_same(tmp_path):
+    out = _run(["benchmarks/bench_pool.py", "--scale", "0.02", "--time-scale", "0.1"],
+               tmp_path)
+    for stage, pooled in (("01b", "one pool"), ("01", "together")):
+        for way in ("one after another", pooled):
+            assert _figure(out, f"  {stage} {way} ", 0) > 0  # seconds
+        assert f"  {stage} one after another / {pooled}: " in out  # a ratio, not timed here
+    assert out.count("(the same records written)") == 2
+
+
 def test_bench_client_measures_the_01b_client_against_a_bare_loop(tmp_path):
     out = _run(["benchmarks/bench_client.py", "--requests", "300", "--concurrency", "20"],
                tmp_path)

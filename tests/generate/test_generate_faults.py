@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from fault_helpers import fill_disk, make_read_only, make_writable, small_disk
+from generate_helpers import RUN_COUNTS
 from stage_helpers import assert_same_folder
 
 from eagle3.core.faults import DiskError, InputFileError, TooManyBad, script_main
@@ -259,10 +260,6 @@ def test_input_file_listed_upstream_but_missing_is_an_error_naming_it(tmp_path,
 
 
 # ---------------------------------------------------------------- full or read-only disk
-
-RUN_COUNTS = ("generated", "stop", "length", "dropped_length", "output_tokens", "requests",
-              "retries", "abandoned", "max_inflight", "short_jobs", "long_jobs", "seconds",
-              "servers", "resumed", "appended_stop_token", "disk_bytes")
 
 
 def test_full_then_read_only_disk_stop_naming_the_folder_and_rerun_equals_clean_run(

@@ -7,18 +7,22 @@ record is compared with an independent reference: the prompt rendered by the tok
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from generate_helpers import (
+    MAX_NEW,
+    RUN_COUNTS,
+    main_01b,
+    sglang_argv,
+    spawn_01b,
+    wait_for_lines,
+)
 from stage_helpers import assert_same_folder
 
 from eagle3.core.chat import split_for_generation
@@ -29,25 +33,12 @@ from eagle3.generate.jobs import GenerationJob
 from eagle3.testing.conversations import synthetic_conversations, write_prepared_stage
 from eagle3.testing.fake_sglang import FakeSGLang, Faults, fake_output
 
-ROOT = Path(__file__).resolve().parents[2]
-MAX_NEW = 24
 MAX_SEQ = 4096
-
-
-def _main(argv: list[str]) -> int:
-    return importlib.import_module("01b_generate_synthetic").main(argv)
 
 
 @pytest.fixture(scope="module")
 def eos_id(tokenizer) -> int:
     return tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-
-def _argv(workdir, target, url, *extra) -> list[str]:
-    return ["--workdir", str(workdir), "--target", str(target), "--backend", "sglang",
-            "--server-url", *([url] if isinstance(url, str) else url),
-            "--max-new-tokens", str(MAX_NEW), "--retry-delay-s", "0.02", "--poll-s", "0.1",
-            "--log-level", "WARNING", *extra]
 
 
 def _expected(conv: dict, tokenizer, eos_id: int) -> tuple[list[int], list[int], str]:
@@ -146,7 +137,7 @@ def test_generate_completes_every_record_once_or_fails_it_when_server_faults(
             restarted.set()
 
         threading.Thread(target=restart_mid_run, daemon=True).start()
-        rc = _main(_argv(tmp_path, tiny_target_dir, server.url, "--concurrency", "24",
+        rc = main_01b(sglang_argv(tmp_path, tiny_target_dir, server.url, "--concurrency", "24",
                          "--request-timeout-s", "0.4", "--max-failure-fraction", "0.05"))
     assert rc == 0 and restarted.is_set()
     # every fault was drawn (a request hanging at shutdown never finishes, so count draws)
@@ -174,12 +165,12 @@ def test_generate_marks_stage_incomplete_when_failures_exceed_the_allowed_share(
     write_prepared_stage(tmp_path, {"ds": convs}, max_seq_len=MAX_SEQ)
     bad = frozenset(c["id"] for c in convs[:3])
     with FakeSGLang(Faults(fail_ids=bad), eos_id=eos_id) as server:
-        argv = _argv(tmp_path, tiny_target_dir, server.url, "--max-attempts", "2")
-        assert _main(argv) == 1
+        argv = sglang_argv(tmp_path, tiny_target_dir, server.url, "--max-attempts", "2")
+        assert main_01b(argv) == 1
         assert not (tmp_path / "01b_generated/manifest.json").exists()
         server.faults.fail_ids = frozenset()  # the cause is fixed: a re-run completes
         n_before = len(server.requests)
-        assert _main(argv) == 0
+        assert main_01b(argv) == 0
         resent = [r["rid"] for r in server.requests[n_before:] if r["path"] == "/generate"]
     assert sorted(resent) == sorted(bad)  # only the failed records are generated again
     assert len(_records(tmp_path)) == 20
@@ -190,7 +181,7 @@ def test_long_context_jobs_run_after_short_ones_at_lower_concurrency(
     convs = synthetic_conversations(60, "ds", long_every=6, long_words=300)
     write_prepared_stage(tmp_path, {"ds": convs}, max_seq_len=MAX_SEQ)
     with FakeSGLang(Faults(delay_s=(0.02, 0.05)), eos_id=eos_id) as server:
-        assert _main(_argv(tmp_path, tiny_target_dir, server.url, "--concurrency", "8",
+        assert main_01b(sglang_argv(tmp_path, tiny_target_dir, server.url, "--concurrency", "8",
                            "--long-concurrency", "2", "--long-context-threshold", "400")) == 0
     gen = [r for r in server.requests if r["path"] == "/generate"]
     long = [r for r in gen if r["prompt_len"] + r["max_new_tokens"] > 400]
@@ -214,7 +205,8 @@ def test_pool_spreads_requests_over_servers_and_survives_one_going_down(
             b.stop()  # never comes back: the rest must go to a
 
         threading.Thread(target=kill_b, daemon=True).start()
-        assert _main(_argv(tmp_path, tiny_target_dir, [a.url, b.url], "--concurrency", "8")) == 0
+        assert main_01b(sglang_argv(tmp_path, tiny_target_dir, [a.url, b.url],
+                                    "--concurrency", "8")) == 0
     ok = lambda s: sum(r.get("kind") == "ok" for r in s.requests)  # noqa: E731
     assert ok(a) > 20 and ok(b) >= 20
     records = _records(tmp_path)
@@ -222,28 +214,6 @@ def test_pool_spreads_requests_over_servers_and_survives_one_going_down(
 
 
 # ---------------------------------------------------------------- resume and signals
-
-
-def _spawn(workdir: Path, target: Path, url: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(ROOT / "01b_generate_synthetic.py"),
-           *_argv(workdir, target, url, "--concurrency", "16")]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if path.exists() and path.read_bytes().count(b"\n") >= n:
-            return
-        time.sleep(0.01)
-
-
-# What one run did, not what the stage holds: done.json and the manifest keep them per run;
-# and the manifest's disk_bytes, which counts done.json (whose run counts vary in digits).
-RUN_COUNTS = ("generated", "stop", "length", "dropped_length", "output_tokens", "requests",
-              "retries", "abandoned", "max_inflight", "short_jobs", "long_jobs", "seconds",
-              "servers", "resumed", "appended_stop_token", "disk_bytes")
 
 
 def test_resumed_folder_equals_uninterrupted_run_when_killed_at_random_moments(
@@ -260,12 +230,13 @@ def test_resumed_folder_equals_uninterrupted_run_when_killed_at_random_moments(
     rng = random.Random(0)
     out = run_dir / "01b_generated/ds/tokenized.jsonl"
     with FakeSGLang(faults, eos_id=eos_id) as server:
-        assert _main(_argv(ref_dir, tiny_target_dir, server.url, "--concurrency", "16")) == 0
+        assert main_01b(sglang_argv(ref_dir, tiny_target_dir, server.url,
+                                    "--concurrency", "16")) == 0
         kills, reached = 0, 0
         for _ in range(4):  # SIGKILL at a random number of written records
-            proc = _spawn(run_dir, tiny_target_dir, server.url)
+            proc = spawn_01b(run_dir, tiny_target_dir, server.url)
             reached += rng.randint(20, 70)
-            _wait_for_lines(out, reached, proc)
+            wait_for_lines(out, reached, proc)
             time.sleep(rng.uniform(0.0, 0.05))
             if proc.poll() is None:
                 proc.kill()
@@ -273,7 +244,7 @@ def test_resumed_folder_equals_uninterrupted_run_when_killed_at_random_moments(
             proc.communicate()
         torn = out.read_bytes()
         out.write_bytes(torn + b'{"id": "ds/torn", "input_ids": [1, 2')  # a torn last line
-        proc = _spawn(run_dir, tiny_target_dir, server.url)
+        proc = spawn_01b(run_dir, tiny_target_dir, server.url)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err.decode()[-2000:]
     assert kills >= 3
@@ -290,8 +261,8 @@ def test_signal_lets_inflight_requests_finish_then_exits_and_resume_completes(
     write_prepared_stage(tmp_path, {"ds": convs}, max_seq_len=MAX_SEQ)
     out = tmp_path / "01b_generated/ds/tokenized.jsonl"
     with FakeSGLang(Faults(delay_s=(0.2, 0.3)), eos_id=eos_id) as server:
-        proc = _spawn(tmp_path, tiny_target_dir, server.url)
-        _wait_for_lines(out, 20, proc)
+        proc = spawn_01b(tmp_path, tiny_target_dir, server.url)
+        wait_for_lines(out, 20, proc)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 128 + sig, err.decode()[-2000:]
@@ -300,7 +271,7 @@ def test_signal_lets_inflight_requests_finish_then_exits_and_resume_completes(
         assert written == sent and len(written) < 200  # every request in flight was kept
         assert not (tmp_path / "01b_generated/manifest.json").exists()
         n_before = len(server.requests)
-        assert _main(_argv(tmp_path, tiny_target_dir, server.url)) == 0
+        assert main_01b(sglang_argv(tmp_path, tiny_target_dir, server.url)) == 0
         again = {r["rid"] for r in server.requests[n_before:] if r["path"] == "/generate"}
     assert not again & written  # resume by id: nothing generated twice
     assert len(_records(tmp_path)) == 200
@@ -311,15 +282,15 @@ def test_length_cut_replies_are_dropped_and_not_regenerated_when_keep_length_is_
     convs = synthetic_conversations(60, "ds")
     write_prepared_stage(tmp_path, {"ds": convs}, max_seq_len=MAX_SEQ)
     with FakeSGLang(eos_id=eos_id) as server:
-        argv = _argv(tmp_path, tiny_target_dir, server.url, "--no-keep-length")
-        assert _main(argv) == 0
+        argv = sglang_argv(tmp_path, tiny_target_dir, server.url, "--no-keep-length")
+        assert main_01b(argv) == 0
         expected = {c["id"]: _expected(c, tokenizer, eos_id)[2] for c in convs}
         kept = {r["id"] for r in _records(tmp_path)}
         assert kept == {i for i, reason in expected.items() if reason == "stop"}
         assert 0 < len(kept) < 60
         (tmp_path / "01b_generated/manifest.json").unlink()  # as if killed before the end
         n_before = len(server.requests)
-        assert _main(argv) == 0
+        assert main_01b(argv) == 0
         assert len(server.requests) == n_before  # dropped replies count as done
     raw = list(read_jsonl(tmp_path / "01b_generated/ds/raw.jsonl"))
     assert {r["id"] for r in raw if not r["kept"]} == set(expected) - kept
@@ -343,7 +314,7 @@ def test_second_signal_abandons_inflight_requests_and_asks_server_to_abort_them(
         tmp_path, tiny_target_dir, eos_id):
     write_prepared_stage(tmp_path, {"ds": synthetic_conversations(50, "ds")}, max_seq_len=MAX_SEQ)
     with FakeSGLang(Faults(slow_rate=1.0, slow_s=30.0), eos_id=eos_id) as server:
-        proc = _spawn(tmp_path, tiny_target_dir, server.url)
+        proc = spawn_01b(tmp_path, tiny_target_dir, server.url)
         deadline = time.monotonic() + 60
         while server.inflight < 16 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -371,7 +342,7 @@ def test_generate_stops_cleanly_when_every_server_stays_down(tmp_path, tiny_targ
 
         threading.Thread(target=crash, daemon=True).start()
         t0 = time.monotonic()
-        rc = _main(_argv(tmp_path, tiny_target_dir, server.url, "--concurrency", "8",
+        rc = main_01b(sglang_argv(tmp_path, tiny_target_dir, server.url, "--concurrency", "8",
                          "--server-down-timeout-s", "1.0"))
     assert rc == 1 and time.monotonic() - t0 < 30
     written = _records(tmp_path)

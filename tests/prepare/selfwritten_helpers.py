@@ -58,16 +58,36 @@ class ScriptedGenerator:
     def generate_ids(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0):
         self.calls.append({"n": len(prompts), "budget": max_new_tokens,
                            "temperature": temperature, "seed": seed})
-        out = []
-        for row, p in enumerate(prompts):
-            rng = random.Random(f"{seed}/{row}/{zlib.crc32(json.dumps(p).encode())}")
-            words = " ".join(rng.sample(WORDS, rng.randint(4, 9)))
-            text = (f"Please {words}?" if temperature > 0
-                    else f"<think>They ask to {words}.</think>Here is how to {words}.")
-            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.eot]
-            out.append((ids[:max_new_tokens], "length") if len(ids) > max_new_tokens
-                       else (ids, "stop"))
-        return out
+        return [self.one(p, row, max_new_tokens, temperature, seed)
+                for row, p in enumerate(prompts)]
+
+    def one(self, prompt: list[int], row: int, budget: int, temperature: float,
+            seed: int) -> tuple[list[int], str]:
+        """The answer to row `row` of a call seeded `seed`."""
+        rng = random.Random(f"{seed}/{row}/{zlib.crc32(json.dumps(prompt).encode())}")
+        words = " ".join(rng.sample(WORDS, rng.randint(4, 9)))
+        text = (f"Please {words}?" if temperature > 0
+                else f"<think>They ask to {words}.</think>Here is how to {words}.")
+        ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.eot]
+        return (ids[:budget], "length") if len(ids) > budget else (ids, "stop")
+
+
+def scripted_server(tokenizer, eot_id: int, faults=None):
+    """A fake SGLang server (eagle3.testing.fake_sglang) answering what `ScriptedGenerator`
+    answers in process: the call's seed and the row are read from the rid the server generator
+    sends (`sw-<seed:x>-<row>`), so a self-written dataset written through it holds the
+    conversations the scripted generator writes."""
+    from eagle3.testing.fake_sglang import FakeSGLang
+
+    scripted = ScriptedGenerator(tokenizer, eot_id)
+
+    def answer(body: dict) -> tuple[list[int], str]:
+        _, seed, row = body["rid"].split("~")[0].split("-")
+        params = body["sampling_params"]
+        return scripted.one(body["input_ids"], int(row), params["max_new_tokens"],
+                            params.get("temperature", 0.0), int(seed, 16))
+
+    return FakeSGLang(faults, eos_id=eot_id, answer=answer)
 
 
 class ListGenerator:

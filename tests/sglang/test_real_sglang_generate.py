@@ -1,6 +1,8 @@
 """Stage 01b against the real SGLang server (CPU, float32) on every tiny target of
-tests/sglang/conftest.py (DeepSeek-V3 of both latent widths, Llama, Qwen2): every record is the prompt our template rendered followed by exactly the tokens
-transformers' greedy decoding produces, the end-of-turn token included when it stopped."""
+tests/sglang/conftest.py (DeepSeek-V3 of both latent widths, Llama, Qwen2): every record, of two
+datasets generated through one pool of requests, is the prompt our template rendered followed
+by exactly the tokens transformers' greedy decoding produces, the end-of-turn token included
+when it stopped."""
 
 from __future__ import annotations
 
@@ -19,14 +21,16 @@ MAX_NEW = 16
 def test_generate_sglang_records_equal_transformers_greedy_tokens(sglang_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    convs = synthetic_conversations(4, "ds")
-    write_prepared_stage(tmp_path, {"ds": convs}, max_seq_len=4096)
+    sets = {"ds": synthetic_conversations(4, "ds"), "more": synthetic_conversations(3, "more")}
+    write_prepared_stage(tmp_path, sets, max_seq_len=4096)
     rc = importlib.import_module("01b_generate_synthetic").main([
         "--workdir", str(tmp_path), "--target", str(sglang_server.target), "--backend",
         "sglang", "--server-url", sglang_server.url, "--max-new-tokens", str(MAX_NEW),
         "--log-level", "WARNING"])
     assert rc == 0
-    records = {r["id"]: r for r in read_jsonl(tmp_path / "01b_generated/ds/tokenized.jsonl")}
+    records = {r["id"]: r for name in sets
+               for r in read_jsonl(tmp_path / "01b_generated" / name / "tokenized.jsonl")}
+    convs = [c for name in sets for c in sets[name]]
     assert set(records) == {c["id"] for c in convs}
     tokenizer = AutoTokenizer.from_pretrained(sglang_server.target)
     model = AutoModelForCausalLM.from_pretrained(sglang_server.target,
@@ -46,4 +50,4 @@ def test_generate_sglang_records_equal_transformers_greedy_tokens(sglang_server,
         assert record["loss_mask"] == [0] * len(prompt) + [1] * len(out)
         assert record["finish_reason"] == reason
     manifest = json.loads((tmp_path / "01b_generated/manifest.json").read_text())
-    assert manifest["complete"]
+    assert manifest["complete"] and manifest["outputs"]["pool"]["datasets"] == ["ds", "more"]
