@@ -13,11 +13,10 @@ import os
 from types import SimpleNamespace
 
 import pytest
-import safetensors.torch
 import torch
 from dump_helpers import CAPTURE, ForwardMode, H, forward_pass, reference, reference_ids
 
-from eagle3.extract import sglang_dump
+from eagle3.extract import dump_file, sglang_dump
 from eagle3.extract.sglang_dump import DumpConfig, DumpError
 
 
@@ -124,7 +123,7 @@ def test_maybe_dump_logs_and_keeps_serving_when_disk_is_full(config, monkeypatch
         open(path, "wb").close()  # leave a temp file behind, as a real partial write would
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(dump_file, "write_safetensors", full_disk)
     batch, final, aux = forward_pass([("eagle3-a", 0, 3), ("eagle3-b", 0, 2)])
     model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=CAPTURE))
     with caplog.at_level(logging.ERROR):
