@@ -8,7 +8,7 @@ dozen request records, building dicts) plus a few small torch ops, with `--wait-
 sleep a step (the scheduler waiting on the GPU; 0 = never). It is timed, step by step, in
 these conditions, each `--seconds` long, interleaved `--repeats` times:
 
-  idle     the real `DumpWriter` started, nothing queued
+  idle     the hook's writer (`sglang_dump.writer_for`) started, nothing queued
   thread   the same writer draining dumps: whenever fewer than a pass's requests are queued the
            main loop hands it the next pass through the real hook (`sglang_dump.dump_forward_pass`,
            `HostStaging`: the rows copied on the main thread, as the CPU device does; that time
@@ -246,8 +246,7 @@ def measure(condition: str, config: DumpConfig, args, wait_s: float) -> dict:
         out = summarize(run, args.stall_ms / 1e3)
         out["writer_bytes_per_s"] = done["file_bytes"] / done["seconds"]
         return out
-    writer = dump_writer.DumpWriter(lambda job: sglang_dump.write_job(config, job),
-                                    args.max_pending_mb << 20)
+    writer = sglang_dump.writer_for(config)  # the hook's own writer (and staging ring)
     try:
         feeder = PassFeeder(config, writer, args, files)
         interval = sys.getswitchinterval()
@@ -269,9 +268,10 @@ def measure(condition: str, config: DumpConfig, args, wait_s: float) -> dict:
             after = writer.snapshot()
             out["writer_bytes_per_s"] = (after["file_bytes"] - before["file_bytes"]) / dt
             out["blocked_s"] = after["blocked_s"] - before["blocked_s"]
+            out["ring_misses"] = after.get("ring_misses", 0) - before.get("ring_misses", 0)
         return out
     finally:
-        writer.close()
+        sglang_dump.close_writer(config)
 
 
 def resolve_dirs(names: list[str] | None, scratch: Path) -> dict[str, Path]:
@@ -317,7 +317,8 @@ def main(argv=None) -> int:
     try:
         for layout in args.layouts:
             for dname, path in dirs.items():
-                config = DumpConfig(path, 0, layout=layout)
+                config = DumpConfig(path, 0, layout=layout,
+                                    max_pending_bytes=args.max_pending_mb << 20)
                 runs: dict[str, list] = {c: [] for c in conditions}
                 for _ in range(args.repeats):
                     for c in conditions:

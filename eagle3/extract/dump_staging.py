@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-SLOT_ALIGN = 256  # bytes: each tensor of a slot starts at a multiple (any dtype; DMA-friendly)
+SLOT_ALIGN = 64  # bytes: each tensor of a slot starts at a multiple (any dtype, a cache line)
 
 
 def ring_capacity(max_pending_bytes: int) -> int:

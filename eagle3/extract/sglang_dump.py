@@ -336,7 +336,10 @@ def write_job(config: DumpConfig, job: DumpJob) -> int:
             job.ready.synchronize()
         aux_TW, scale_TK = job.aux_TW, job.aux_scale_TK
         if config.layout == "fp8" and scale_TK is None:
-            aux_TW, scale_TK = _fp8.quantize_captures(aux_TW, len(job.capture_layers))
+            # In place: the job owns its rows, and a fresh [T, K*H] result would be freed
+            # (an munmap) in this thread with the GIL held.
+            aux_TW, scale_TK = _fp8.quantize_captures(aux_TW, len(job.capture_layers),
+                                                      in_place=True)
         return write_request(config, job.req, job.input_ids_T, aux_TW, scale_TK, job.final_TH,
                              job.capture_layers)
     finally:  # written or failed, its rows are read no more: the ring may hand them out again

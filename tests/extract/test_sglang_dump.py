@@ -130,6 +130,7 @@ def test_maybe_dump_logs_and_keeps_serving_when_disk_is_full(config, monkeypatch
         assert sglang_dump.maybe_dump(model, batch, final, aux) is None
         assert sglang_dump.writer_for(config).flush(timeout_s=30)  # the writer thread's errors
     assert sglang_dump.writer_for(config).snapshot()["jobs_failed"] == 2
+    assert sglang_dump.writer_for(config).ring.in_use() == 0  # the failed jobs' slots came back
     assert dump_names(config) == []  # no final file, no temp file
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2 and all("No space left on device" in e for e in errors)
