@@ -1,7 +1,8 @@
 """The SGLang dump file, format version 3: what the dump hook writes and 02b's client reads.
 
 Pure torch (the safetensors package is not needed: files are written and read here), importing
-nothing from eagle3: the dump hook (`eagle3/extract/sglang_dump.py`) runs inside SGLang and loads this file by path.
+nothing from eagle3: the dump hook (`eagle3/extract/sglang_dump.py`) runs inside SGLang and
+loads this file by path.
 
 One file per request: `dump_file_path(dump_dir, rid)`, that is `<dump_dir>/<rid>.safetensors`
 (rid percent-encoded; a leading `.` too, so that no dump name starts with a dot). A safetensors
@@ -25,10 +26,12 @@ and the header's string metadata: `format` "eagle3-sglang-dump", `version` "3", 
 and num_tokens as ints, capture_layers a list) and the tensors by name: DUMP_KEYS, plus
 LAYOUT_KEYS[layout].
 
-Written by `save_dump`: to a temp file in the dump directory, `.<name>.<pid>.tmp` (a dot name,
-not ending in `.safetensors`: never taken for a dump), then renamed over the dump's name, so a
-reader sees a whole file or none. A writer killed mid-file leaves only its temp file, which
-`remove_stale_temp_files` deletes once its process is gone.
+Written by `save_dump` (`write_safetensors`: the bytes `safetensors.torch.save_file` writes, its
+metadata in key order, straight from the tensors' memory with the GIL released): to a temp file
+in the dump directory, `.<name>.<pid>.tmp` (a dot name, not ending in `.safetensors`: never
+taken for a dump), then renamed over the dump's name, so a reader sees a whole file or none. A
+writer killed mid-file leaves only its temp file, which `remove_stale_temp_files` deletes once
+its process is gone.
 
 Versions 1 and 2 were `torch.save` zips at `<rid>.pt` (`legacy_dump_path`); `load_dump` refuses
 them with `OldDumpError` (a server running an older copy of the dump module: restart it).

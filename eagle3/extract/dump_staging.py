@@ -71,7 +71,7 @@ class HostRing:
         self.misses = 0  # jobs that found no room (staged in buffers of their own)
         self._buffer: torch.Tensor | None = None
         self._lock = threading.Lock()
-        self._live: collections.deque = collections.deque()  # [start, end, given back], oldest first
+        self._live: collections.deque = collections.deque()  # [start, end, returned], oldest 1st
 
     def allocate(self) -> torch.Tensor:
         """The buffer, made on first call (uint8 [capacity], pinned if asked)."""

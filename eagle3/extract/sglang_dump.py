@@ -33,15 +33,16 @@ them. A job's rows go into a slot of the writer's staging ring (`dump_staging.Ho
 host buffer of the queue bound plus an eighth, pinned on a CUDA host at model build, reused in
 FIFO order; a job it has no room for gets buffers of its own), so that passes allocate no host
 memory and writes free none. On a GPU a request's real rows (input_ids, aux, final) are copied
-into that pinned memory on the dump's own CUDA stream, which first waits for the work queued on the current stream; the
-sources are marked used by that stream (`record_stream`) so the caching allocator keeps their
-memory until the copies are done, and the job carries the event that says so. With
-`EAGLE3_DUMP_LAYOUT=fp8` and `EAGLE3_DUMP_FP8_ON_GPU=1` the pass's aux rows are quantized on that stream first (transient GPU
-memory: half the pass's aux states). On a CPU (the tests, SGLang's CPU device) the copies are
-plain and the writer quantizes. While the queued jobs hold more than `EAGLE3_DUMP_MAX_PENDING_MB`
-of host memory, `maybe_dump` waits (logged): the server slows, no dump is lost. The queue is
-written out at interpreter exit; a SIGKILL (SGLang's own shutdown of its schedulers) leaves at
-most a temp file, never a partial dump.
+into that pinned memory on the dump's own CUDA stream, which first waits for the work queued on
+the current stream; the sources are marked used by that stream (`record_stream`) so the caching
+allocator keeps their memory until the copies are done, and the job carries the event that says
+so. With `EAGLE3_DUMP_LAYOUT=fp8` and `EAGLE3_DUMP_FP8_ON_GPU=1` the pass's aux rows are
+quantized on that stream first (transient GPU memory: half the pass's aux states); otherwise the
+writer quantizes them, in place in the job's rows. On a CPU (the tests, SGLang's CPU device)
+the copies are plain. While the queued jobs hold more than `EAGLE3_DUMP_MAX_PENDING_MB` of host
+memory, `maybe_dump` waits (logged): the server slows, no dump is lost. The queue is written out
+at interpreter exit; a SIGKILL (SGLang's own shutdown of its schedulers) leaves at most a temp
+file, never a partial dump.
 
 Dump file, format version 3 (`dump_file.py`): `dump_file_path(dump_dir, rid)` =
 `<dump_dir>/<rid>.safetensors`, tensors `input_ids` int64 [T], `aux_hidden_states` [T, K*H] (bf16,
