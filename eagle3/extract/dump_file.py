@@ -353,7 +353,7 @@ def _read_tensors(f, header: dict, name) -> dict[str, torch.Tensor]:
                             f"the previous one (at {end}) or holds not {numel} x {dtype}")
         # Read into uninitialised tensor memory: a bytearray would be zeroed first, holding the
         # GIL (the writer thread reads a chunked prompt's file back to extend it).
-        raw = torch.empty(stop - begin, dtype=torch.uint8)
+        raw = torch.empty(stop - begin, dtype=torch.uint8, device="cpu")
         got = f.readinto(raw.numpy()) if len(raw) else 0
         if got != len(raw):
             raise DumpError(f"{name}: truncated: tensor {key!r} has {got} of {len(raw)} bytes")

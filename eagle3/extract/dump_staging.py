@@ -77,7 +77,9 @@ class HostRing:
         """The buffer, made on first call (uint8 [capacity], pinned if asked)."""
         with self._lock:
             if self._buffer is None:
-                self._buffer = torch.empty(self.capacity, dtype=torch.uint8,
+                # device="cpu": the hook calls this inside the model's __init__, which SGLang's
+                # loader runs under `with torch.device("cuda")` (or "meta").
+                self._buffer = torch.empty(self.capacity, dtype=torch.uint8, device="cpu",
                                            pin_memory=self.pin_memory)
             return self._buffer
 
@@ -205,7 +207,7 @@ class CudaStaging:
             if part.dtype != dtype:
                 part = part.to(dtype)  # on the copy stream, in its memory
             if out is None:
-                out = torch.empty(part.shape, dtype=dtype, pin_memory=True)
+                out = torch.empty(part.shape, dtype=dtype, device="cpu", pin_memory=True)
             out.copy_(part, non_blocking=True)
         return out
 

@@ -90,6 +90,13 @@ def test_ring_never_hands_out_live_bytes_when_jobs_of_any_size_come_and_go_in_or
     assert ring.in_use() == 0
 
 
+def test_ring_is_host_memory_when_allocated_under_another_default_device():
+    ring = HostRing(1024, pin_memory=False)
+    with torch.device("meta"):  # SGLang builds the model (where the hook allocates) this way
+        buffer = ring.allocate()
+    assert buffer.device.type == "cpu" and ring.take([((8,), torch.int64)]) is not None
+
+
 def test_ring_capacity_is_the_bound_plus_an_eighth_and_must_be_positive():
     assert ring_capacity(2048 << 20) == 2304 << 20
     with pytest.raises(ValueError, match="capacity 0"):
