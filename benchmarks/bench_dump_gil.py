@@ -27,9 +27,14 @@ written as dump files of each `--layouts` (bf16; fp8, quantized by the writer th
 `--files` names, so the files are overwritten and the disk use stays bounded.
 
 Printed and written to `--json` (default bench_dump_gil.json): per layout and dir, per condition,
-main-loop steps/s (median of the repeats, over the time in steps only), the ratio to idle, the
-step latency p50/p99/max, the share of step time spent in steps over `--stall-ms` ("stalled"),
-the writer's bytes/s and the main thread's time in the hook; plus the machine.
+main-loop steps/s (median of the repeats, over the time in steps only) and its ratio to idle;
+the same with the main thread's run-queue wait taken out ("free-core": what a host with a core
+to spare for it would see; Linux's /proc/<tid>/schedstat splits the thread's time into running,
+runnable-but-waiting, and blocked); the GIL wait: the time blocked beyond the steps' own sleeps,
+as a share and in µs a step (with `--wait-us` the sleeps overshoot, so read it against idle:
+`gil_wait_us_per_step_over_idle`); the step latency p50/p99/max, the share of step time in steps
+over `--stall-ms` ("stalled"), the writer's bytes/s, the time the main thread spent handing it
+passes (`feed_s`, left out of the rest) and the staging ring's misses; plus the machine.
 
     python benchmarks/bench_dump_gil.py                       # ~3 minutes on 2 cores
     python benchmarks/bench_dump_gil.py --tokens-per-pass 64 --hidden 256 --seconds 0.3 \\
@@ -329,6 +334,8 @@ def main(argv=None) -> int:
                     m["ratio_to_idle"] = m["steps_per_s"] / idle["steps_per_s"]
                     m["free_core_ratio_to_idle"] = (m["steps_per_s_free_core"]
                                                     / idle["steps_per_s_free_core"])
+                    m["gil_wait_us_per_step_over_idle"] = (m["gil_wait_us_per_step"]
+                                                           - idle["gil_wait_us_per_step"])
                 results["cells"][f"{layout}/{dname}"] = {"dir": str(path), **cell}
                 print_cell(f"{layout} -> {dname} ({path})", cell)
                 args.json.write_text(json.dumps(results, indent=1))

@@ -30,7 +30,8 @@ def test_bench_dump_gil_measures_every_condition_and_writes_its_json(tmp_path):
         m = cell[condition]
         assert m["steps"] > 0 and m["steps_per_s"] > 0 and 0 <= m["gil_wait_share"] <= 1
         assert m["steps_per_s_free_core"] >= m["steps_per_s"] * 0.999
-    assert cell["idle"]["ratio_to_idle"] == 1.0
+    idle = cell["idle"]
+    assert idle["ratio_to_idle"] == 1.0 and idle["gil_wait_us_per_step_over_idle"] == 0
     for condition in ("thread", "process", "thread@1"):  # the writer wrote meanwhile
         assert cell[condition]["writer_bytes_per_s"] > 0
     assert cell["thread"]["ring_misses"] == 0  # the hook's writer staged every job in its ring
