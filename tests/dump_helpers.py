@@ -106,13 +106,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path[:0] = [{root!r}, {tests!r}]
-import safetensors.torch
 from dump_helpers import CAPTURE, forward_pass
-from eagle3.extract import sglang_dump
+from eagle3.extract import dump_file, sglang_dump
 
 mode, dump_dir, prompts = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
 config = sglang_dump.DumpConfig(dump_dir, 0)
-save, count = safetensors.torch.save_file, [0]
+save, count = dump_file.write_safetensors, [0]
 
 
 def save_file(tensors, path, metadata=None):
@@ -128,7 +127,7 @@ def save_file(tensors, path, metadata=None):
     save(tensors, path, metadata=metadata)
 
 
-safetensors.torch.save_file = save_file
+dump_file.write_safetensors = save_file
 dump_dir.mkdir(exist_ok=True)
 model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=CAPTURE))
 sglang_dump.server_config = lambda: config

@@ -1,7 +1,8 @@
 """The SGLang dump file, format version 3: what the dump hook writes and 02b's client reads.
 
-Pure torch (safetensors is imported when a file is written), importing nothing from eagle3: the
-dump hook (`eagle3/extract/sglang_dump.py`) runs inside SGLang and loads this file by path.
+Pure torch (the safetensors package is not needed: files are written and read here), importing
+nothing from eagle3: the dump hook (`eagle3/extract/sglang_dump.py`) runs inside SGLang and
+loads this file by path.
 
 One file per request: `dump_file_path(dump_dir, rid)`, that is `<dump_dir>/<rid>.safetensors`
 (rid percent-encoded; a leading `.` too, so that no dump name starts with a dot). A safetensors
@@ -25,10 +26,12 @@ and the header's string metadata: `format` "eagle3-sglang-dump", `version` "3", 
 and num_tokens as ints, capture_layers a list) and the tensors by name: DUMP_KEYS, plus
 LAYOUT_KEYS[layout].
 
-Written by `save_dump`: to a temp file in the dump directory, `.<name>.<pid>.tmp` (a dot name,
-not ending in `.safetensors`: never taken for a dump), then renamed over the dump's name, so a
-reader sees a whole file or none. A writer killed mid-file leaves only its temp file, which
-`remove_stale_temp_files` deletes once its process is gone.
+Written by `save_dump` (`write_safetensors`: the bytes `safetensors.torch.save_file` writes, its
+metadata in key order, straight from the tensors' memory with the GIL released): to a temp file
+in the dump directory, `.<name>.<pid>.tmp` (a dot name, not ending in `.safetensors`: never
+taken for a dump), then renamed over the dump's name, so a reader sees a whole file or none. A
+writer killed mid-file leaves only its temp file, which `remove_stale_temp_files` deletes once
+its process is gone.
 
 Versions 1 and 2 were `torch.save` zips at `<rid>.pt` (`legacy_dump_path`); `load_dump` refuses
 them with `OldDumpError` (a server running an older copy of the dump module: restart it).
@@ -41,6 +44,7 @@ import io
 import json
 import os
 import stat
+import sys
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -147,24 +151,97 @@ def _metadata_text(value: Any) -> str:
 def save_dump(record: dict, path: Path) -> int:
     """Write one dump atomically (temp file, then rename over `path`); returns its bytes.
 
-    `record`: the tensors by name (CPU) and the metadata (`rid`, `num_tokens`,
+    `record`: the tensors by name (CPU; a tensor, or a list of parts to be joined along dim 0,
+    as a later chunk's rows after the file's) and the metadata (`rid`, `num_tokens`,
     `capture_layers`, `layout`); `format` and `version` are added. The hook's writer and the
     tests' stand-in servers all write through here.
     """
-    import safetensors.torch  # imported here: this module must import without it
-
-    tensors = {k: v.contiguous() for k, v in record.items() if isinstance(v, torch.Tensor)}
+    tensors = {k: list(v) if isinstance(v, (list, tuple)) else [v]
+               for k, v in record.items() if _is_tensor_value(v)}
     metadata = {k: _metadata_text(v) for k, v in record.items()
-                if not isinstance(v, torch.Tensor) and k not in ("format", "version")}
+                if not _is_tensor_value(v) and k not in ("format", "version")}
     metadata.update(format=DUMP_FORMAT, version=str(DUMP_VERSION))
     tmp = temp_path(path)
     try:
-        safetensors.torch.save_file(tensors, tmp, metadata=metadata)
+        write_safetensors(tensors, tmp, metadata)
         size = tmp.stat().st_size
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return size
+
+
+def _is_tensor_value(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (list, tuple)) and bool(value)
+        and all(isinstance(v, torch.Tensor) for v in value))
+
+
+# The safetensors dtype names, in the order of the format's `Dtype` enum (increasing alignment):
+# a file lists its tensors by that order descending, then by name (safetensors `prepare`).
+_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32",
+                "U32", "F32", "F64", "I64", "U64")
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_WRITE_MAX = 1 << 30  # bytes a write() call is given (Linux moves at most ~2 GiB per call)
+
+
+def write_safetensors(tensors: dict[str, list[torch.Tensor]], path: Path,
+                      metadata: dict[str, str]) -> None:
+    """Write a safetensors file laid out as `safetensors.torch.save_file` lays it out (tensors
+    by dtype alignment then name, back to back; the header compact JSON, `__metadata__` first,
+    padded with spaces to 8 bytes), each tensor given as parts joined along dim 0.
+
+    Written from the tensors' own memory, a part at a time: no copy, no check across tensors
+    (parts may be views of one buffer, which save_file refuses), and the GIL released for every
+    byte (one unbuffered write() a part), so the server's scheduler thread runs meanwhile.
+    The metadata goes in sorted by key (save_file's order is its hash map's, which varies).
+    """
+    if sys.byteorder != "little":
+        raise DumpError("dump files are little-endian; this host is not")
+    entries = []
+    for name, parts in tensors.items():
+        dtype, tail = parts[0].dtype, tuple(parts[0].shape[1:])
+        if dtype not in _NAMES or parts[0].dim() == 0 or any(
+                p.dtype != dtype or tuple(p.shape[1:]) != tail for p in parts):
+            raise DumpError(f"tensor {name!r}: parts of one dtype in {sorted(_NAMES.values())} "
+                            f"and one row shape expected, got "
+                            f"{[(p.dtype, tuple(p.shape)) for p in parts]}")
+        rows = sum(int(p.shape[0]) for p in parts)
+        entries.append((-_DTYPE_ORDER.index(_NAMES[dtype]), name, dtype, [rows, *tail], parts))
+    entries.sort(key=lambda e: e[:2])
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for _, name, dtype, shape, _ in entries:
+        nbytes = dtype.itemsize * _numel(shape)
+        header[name] = {"dtype": _NAMES[dtype], "shape": shape,
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    # serde_json's output: no spaces, non-ASCII as UTF-8, control characters as \u00XX.
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, memoryview(len(head).to_bytes(8, "little") + head))
+        for *_, parts in entries:
+            for part in parts:
+                _write_all(f, _bytes_of(part))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy when it is contiguous."""
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_all(f, view: memoryview) -> None:
+    while len(view):
+        view = view[f.write(view[:_WRITE_MAX]):]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,12 +351,13 @@ def _read_tensors(f, header: dict, name) -> dict[str, torch.Tensor]:
         if begin != end or stop - begin != numel * dtype.itemsize:
             raise DumpError(f"{name}: tensor {key!r} at bytes {begin}:{stop} does not follow "
                             f"the previous one (at {end}) or holds not {numel} x {dtype}")
-        raw = bytearray(stop - begin)
-        got = f.readinto(raw) if raw else 0
+        # Read into uninitialised tensor memory: a bytearray would be zeroed first, holding the
+        # GIL (the writer thread reads a chunked prompt's file back to extend it).
+        raw = torch.empty(stop - begin, dtype=torch.uint8, device="cpu")
+        got = f.readinto(raw.numpy()) if len(raw) else 0
         if got != len(raw):
             raise DumpError(f"{name}: truncated: tensor {key!r} has {got} of {len(raw)} bytes")
-        tensors[key] = (torch.frombuffer(raw, dtype=dtype).view(shape) if raw
-                        else torch.empty(shape, dtype=dtype))
+        tensors[key] = raw.view(dtype).view(shape)
         end = stop
     if f.read(1):
         raise DumpError(f"{name}: bytes after the last tensor: not a dump as written")

@@ -1,7 +1,7 @@
 """The dump hook's writer: one thread that writes the dump jobs in the order they came, off the
 forward path, with a bound on the host memory they hold.
 
-Pure torch, importing nothing from eagle3: the dump hook (`eagle3/extract/sglang_dump.py`)
+Pure Python, importing nothing from eagle3: the dump hook (`eagle3/extract/sglang_dump.py`)
 runs inside SGLang and loads this file by path.
 
 `DumpWriter.submit(make_job, nbytes, tokens, label)` is called from the server's scheduler
@@ -20,12 +20,14 @@ time waited and the queue), a summary line every `log_every_s` while it works, a
 whenever the queue runs empty (`Stats` lists the fields). `flush()` waits until every job
 submitted is written; `close()` flushes and stops the thread (the hook registers it with atexit).
 `InlineWriter` has the same face and writes each job at once, in the caller's thread.
+
+`ring` (a `dump_staging.HostRing`, or None) is the host memory the jobs are staged in, sized to
+the bound: the writer only holds it for the hook (`writer.ring`) and reports its counters.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import logging
 import os
@@ -35,8 +37,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class Stats:
     blocked_waits: int = 0  # how many submits waited
     write_s: float = 0.0  # seconds the thread spent in `write`
     bytes_per_token: float = 0.0  # job_bytes / tokens
+    ring_bytes: int = 0  # the staging ring's capacity (0: no ring)
+    ring_misses: int = 0  # jobs the ring had no room for (staged in buffers of their own)
 
 
 class DumpWriter:
@@ -68,10 +70,10 @@ class DumpWriter:
     def __init__(self, write: Callable[[Any], int], max_pending_bytes: int,
                  stats_file: Path | None = None, *, name: str = "eagle3-dump-writer",
                  log_every_s: float = 60.0, warn_every_s: float = 10.0,
-                 stats_every_s: float = 1.0):
+                 stats_every_s: float = 1.0, ring: Any = None):
         if max_pending_bytes < 1:
             raise ValueError(f"max_pending_bytes {max_pending_bytes}: expected >= 1")
-        self._write, self._stats_file = write, stats_file
+        self._write, self._stats_file, self.ring = write, stats_file, ring
         self._log_every_s, self._warn_every_s = log_every_s, warn_every_s
         self._stats_every_s = stats_every_s
         self._cond = threading.Condition()
@@ -217,7 +219,10 @@ class DumpWriter:
     def snapshot(self) -> dict:
         """The counters now (a copy; the stats JSON's fields)."""
         with self._cond:
-            return asdict(self.stats)
+            data = asdict(self.stats)
+        if self.ring is not None:
+            data.update(ring_bytes=self.ring.capacity, ring_misses=self.ring.misses)
+        return data
 
     def _write_stats(self) -> None:
         if self._stats_file is None:
@@ -234,7 +239,10 @@ class DumpWriter:
 
 
 class InlineWriter:
-    """`DumpWriter`'s face, writing each job at once in the caller's thread (no queue)."""
+    """`DumpWriter`'s face, writing each job at once in the caller's thread (no queue, no
+    staging ring)."""
+
+    ring = None
 
     def __init__(self, write: Callable[[Any], int]):
         self._write = write
@@ -247,76 +255,3 @@ class InlineWriter:
 
     def close(self) -> None:
         pass
-
-
-# ---------------------------------------------------------------------------------------------
-# Getting the rows off the device (the scheduler thread, inside the forward pass)
-
-
-class HostStaging:
-    """Plain copies of CPU tensors (the tests, SGLang's CPU device): done when they return."""
-
-    on_device = False
-
-    def rows(self, src: torch.Tensor, start: int, num_rows: int,
-             dtype: torch.dtype) -> torch.Tensor:
-        # copy=True: the host rows must own their memory (the model reuses its buffers).
-        return src[start:start + num_rows].to("cpu", dtype, copy=True)
-
-    def compute(self, fn: Callable[[], Any], *inputs) -> Any:
-        return fn()
-
-    def done(self) -> None:
-        return None
-
-
-@functools.cache
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=device)
-
-
-class CudaStaging:
-    """Copies of one pass's rows into pinned host memory on the dump's own CUDA stream.
-
-    Made once per forward pass: the copy stream first waits for an event recorded on the current
-    stream (the work that computes the states). Every source is marked used by the copy stream
-    (`record_stream`), so the caching allocator does not hand its memory out again before the
-    copies queued so far are done; `done()` is the event a job's writer waits on (a blocking
-    event: the writer thread sleeps rather than spins)."""
-
-    on_device = True
-
-    def __init__(self, device: torch.device):
-        self.stream = _copy_stream(device)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-        self.stream.wait_event(ready)
-
-    def rows(self, src: torch.Tensor, start: int, num_rows: int,
-             dtype: torch.dtype) -> torch.Tensor:
-        with torch.cuda.stream(self.stream):
-            if src.is_cuda:
-                src.record_stream(self.stream)
-            part = src[start:start + num_rows]
-            if part.dtype != dtype:
-                part = part.to(dtype)  # on the copy stream, in its memory
-            host = torch.empty(part.shape, dtype=dtype, pin_memory=True)
-            host.copy_(part, non_blocking=True)
-        return host
-
-    def compute(self, fn: Callable[[], Any], *inputs) -> Any:
-        """`fn()` run on the copy stream, reading `inputs` (quantizing the pass's aux rows)."""
-        with torch.cuda.stream(self.stream):
-            for t in inputs:
-                t.record_stream(self.stream)
-            return fn()
-
-    def done(self):
-        event = torch.cuda.Event(blocking=True)
-        event.record(self.stream)
-        return event
-
-
-def staging_for(device: torch.device) -> HostStaging | CudaStaging:
-    """How rows of tensors on `device` get to the host."""
-    return CudaStaging(device) if device.type == "cuda" else HostStaging()

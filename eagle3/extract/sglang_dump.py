@@ -12,9 +12,10 @@ environment, those lines load this file by path and call:
 
 Without the variable the patched SGLang never imports this file and runs unchanged. This module
 must import without SGLang (pure torch); it is also loaded under the name `eagle3_sglang_dump`,
-so it imports nothing from the `eagle3` package: its three siblings, also pure torch, are
+so it imports nothing from the `eagle3` package: its four siblings, also pure torch, are
 loaded by path the same way (`_sibling`): the file format (`dump_file.py`), the writer thread
-(`dump_writer.py`) and the fp8 quantizer (`eagle3/core/fp8.py`, the one 02b stores with).
+(`dump_writer.py`), the staging of rows in host memory (`dump_staging.py`) and the fp8
+quantizer (`eagle3/core/fp8.py`, the one 02b stores with).
 
 What is read. Only TP rank 0 writes (with plain tensor parallelism every rank holds the same
 states). Only forward passes whose `forward_mode` is `EXTEND` are read: not MIXED, TARGET_VERIFY,
@@ -28,16 +29,20 @@ startup warmup sends no rid and gets a random hex one, so it never matches the d
 
 Off the forward path (patches/README.md, "What is written when"). `maybe_dump` only starts
 copies and queues one job per request; one writer thread (`dump_writer.DumpWriter`, FIFO) writes
-them. On a GPU a request's real rows (input_ids, aux, final) are copied into pinned host memory
-on the dump's own CUDA stream, which first waits for the work queued on the current stream; the
-sources are marked used by that stream (`record_stream`) so the caching allocator keeps their
-memory until the copies are done, and the job carries the event that says so. With
-`EAGLE3_DUMP_LAYOUT=fp8` the pass's aux rows are quantized on that stream first (transient GPU
-memory: half the pass's aux states). On a CPU (the tests, SGLang's CPU device) the copies are
-plain and the writer quantizes. While the queued jobs hold more than `EAGLE3_DUMP_MAX_PENDING_MB`
-of host memory, `maybe_dump` waits (logged): the server slows, no dump is lost. The queue is
-written out at interpreter exit; a SIGKILL (SGLang's own shutdown of its schedulers) leaves at
-most a temp file, never a partial dump.
+them. A job's rows go into a slot of the writer's staging ring (`dump_staging.HostRing`: one
+host buffer of the queue bound plus an eighth, pinned on a CUDA host at model build, reused in
+FIFO order; a job it has no room for gets buffers of its own), so that passes allocate no host
+memory and writes free none. On a GPU a request's real rows (input_ids, aux, final) are copied
+into that pinned memory on the dump's own CUDA stream, which first waits for the work queued on
+the current stream; the sources are marked used by that stream (`record_stream`) so the caching
+allocator keeps their memory until the copies are done, and the job carries the event that says
+so. With `EAGLE3_DUMP_LAYOUT=fp8` and `EAGLE3_DUMP_FP8_ON_GPU=1` the pass's aux rows are
+quantized on that stream first (transient GPU memory: half the pass's aux states); otherwise the
+writer quantizes them, in place in the job's rows. On a CPU (the tests, SGLang's CPU device)
+the copies are plain. While the queued jobs hold more than `EAGLE3_DUMP_MAX_PENDING_MB` of host
+memory, `maybe_dump` waits (logged): the server slows, no dump is lost. The queue is written out
+at interpreter exit; a SIGKILL (SGLang's own shutdown of its schedulers) leaves at most a temp
+file, never a partial dump.
 
 Dump file, format version 3 (`dump_file.py`): `dump_file_path(dump_dir, rid)` =
 `<dump_dir>/<rid>.safetensors`, tensors `input_ids` int64 [T], `aux_hidden_states` [T, K*H] (bf16,
@@ -69,6 +74,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +102,7 @@ def _sibling(package: str, module: str) -> Any:
 
 _file = _sibling("extract", "dump_file")
 _writer = _sibling("extract", "dump_writer")
+_staging = _sibling("extract", "dump_staging")
 _fp8 = _sibling("core", "fp8")
 
 # The file format's names, for the hook's callers (02b's client, the tests).
@@ -160,6 +167,7 @@ class DumpJob:
     final_TH: torch.Tensor  # bf16 [n, H]
     capture_layers: tuple[int, ...]
     ready: Any = None  # a torch.cuda.Event recorded after the copies; None: copied already
+    slot: Any = None  # the staging ring's slot the tensors are in (given back once written)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +224,12 @@ def enable_capture(model: Any) -> list[int]:
                     "layout %s, at most %d MB queued)", type(model).__name__, capture_layers,
                     model.config.num_hidden_layers, config.dump_dir, config.rid_prefix,
                     config.layout, config.max_pending_bytes >> 20)
+        if torch.cuda.is_available():  # pin the staging ring now, not in the first passes
+            t0 = time.monotonic()
+            ring = writer_for(config).ring
+            ring.allocate()
+            logger.info("eagle3 dump: %d MB of pinned host memory for staging in %.1f s",
+                        ring.capacity >> 20, time.monotonic() - t0)
     return capture_layers
 
 
@@ -274,8 +288,9 @@ _WRITERS_LOCK = threading.Lock()
 
 
 def writer_for(config: DumpConfig) -> Any:
-    """The `dump_writer.DumpWriter` of `config`, started on first use (it first removes the temp
-    files a killed writer left); every writer is flushed at interpreter exit."""
+    """The `dump_writer.DumpWriter` of `config` and its staging ring (`dump_staging.HostRing`,
+    the bound plus an eighth, pinned on a CUDA host), started on first use (it first removes the
+    temp files a killed writer left); every writer is flushed at interpreter exit."""
     with _WRITERS_LOCK:
         writer = _WRITERS.get(config)
         if writer is None:
@@ -285,9 +300,13 @@ def writer_for(config: DumpConfig) -> Any:
                             stale)
             if not _WRITERS:
                 atexit.register(close_writers)
+            # Pinned where a GPU is: the rows come from it (a CPU server's rows copy into the
+            # pinned memory as into any other).
+            ring = _staging.HostRing(_staging.ring_capacity(config.max_pending_bytes),
+                                     pin_memory=torch.cuda.is_available())
             writer = _WRITERS[config] = _writer.DumpWriter(
                 functools.partial(write_job, config), config.max_pending_bytes,
-                config.stats_file)
+                config.stats_file, ring=ring)
         return writer
 
 
@@ -311,18 +330,27 @@ def close_writers() -> None:
 
 def write_job(config: DumpConfig, job: DumpJob) -> int:
     """Write one job's chunk (the writer thread's `write`): wait for its copies, quantize on the
-    host if the fp8 layout was not made on the GPU, write or extend the file; returns its bytes."""
-    if job.ready is not None:
-        job.ready.synchronize()
-    aux_TW, scale_TK = job.aux_TW, job.aux_scale_TK
-    if config.layout == "fp8" and scale_TK is None:
-        aux_TW, scale_TK = _fp8.quantize_captures(aux_TW, len(job.capture_layers))
-    return write_request(config, job.req, job.input_ids_T, aux_TW, scale_TK, job.final_TH,
-                         job.capture_layers)
+    host if the fp8 layout was not made on the GPU, write or extend the file, give its ring slot
+    back; returns the file's bytes."""
+    try:
+        if job.ready is not None:
+            job.ready.synchronize()
+        aux_TW, scale_TK = job.aux_TW, job.aux_scale_TK
+        if config.layout == "fp8" and scale_TK is None:
+            # In place: the job owns its rows, and a fresh [T, K*H] result would be freed
+            # (an munmap) in this thread with the GIL held.
+            aux_TW, scale_TK = _fp8.quantize_captures(aux_TW, len(job.capture_layers),
+                                                      in_place=True)
+        return write_request(config, job.req, job.input_ids_T, aux_TW, scale_TK, job.final_TH,
+                             job.capture_layers)
+    finally:  # written or failed, its rows are read no more: the ring may hand them out again
+        if job.slot is not None:
+            job.slot.give_back()
 
 
 def _append_to_previous(path: Path, req: RequestRows, chunk: dict) -> dict:
-    """The tensors of tokens [0, prefix + n): the file's rows followed by this chunk's."""
+    """The tensors of tokens [0, prefix + n), each as two parts: the file's rows, then this
+    chunk's (written one after the other: no concatenated copy to allocate and free)."""
     previous = load_dump(path) if path.exists() else None
     if previous is None or previous["rid"] != req.rid or previous["num_tokens"] != req.prefix_len:
         held = None if previous is None else previous["num_tokens"]
@@ -332,7 +360,7 @@ def _append_to_previous(path: Path, req: RequestRows, chunk: dict) -> dict:
             "tokens; dropped. A radix-cache hit or a chunk run in a MIXED pass: start the server "
             "with --disable-radix-cache and without --enable-mixed-chunk"
         )
-    return {key: torch.cat([previous[key], rows]) for key, rows in chunk.items()}
+    return {key: [previous[key], rows] for key, rows in chunk.items()}
 
 
 def write_request(config: DumpConfig, req: RequestRows, ids_T: torch.Tensor,
@@ -347,7 +375,8 @@ def write_request(config: DumpConfig, req: RequestRows, ids_T: torch.Tensor,
         tensors["aux_hidden_states_scale"] = aux_scale_TK
     if req.prefix_len > 0:
         tensors = _append_to_previous(path, req, tensors)
-    return save_dump({"rid": req.rid, "num_tokens": int(tensors["final_hidden_states"].shape[0]),
+    num_tokens = req.prefix_len + int(final_TH.shape[0])
+    return save_dump({"rid": req.rid, "num_tokens": num_tokens,
                       "capture_layers": [int(layer) for layer in capture_layers],
                       "layout": config.layout, **tensors}, path)
 
@@ -447,7 +476,7 @@ def dump_forward_pass(config: DumpConfig, forward_batch: Any, hidden_states: tor
     K, H = len(capture_layers), hidden_states.shape[-1]
     num_real, input_ids = _check_pass(forward_batch, hidden_states, aux, K)
     writer = writer or _writer.InlineWriter(functools.partial(write_job, config))
-    staging = _writer.staging_for(hidden_states.device)
+    staging = _staging.staging_for(hidden_states.device)
     aux_scale = None
     if config.layout == "fp8" and config.fp8_on_gpu and staging.on_device:  # before PCIe
         real_aux = aux[:num_real]
@@ -455,14 +484,28 @@ def dump_forward_pass(config: DumpConfig, forward_batch: Any, hidden_states: tor
             real_aux.to(DUMP_DTYPE), K, _fp8.gpu_block_rows(H)), real_aux)
     row_bytes = 8 + 2 * H + (K * H + 4 * K if aux_scale is not None else 2 * K * H)
     layers = tuple(int(layer) for layer in capture_layers)
+    # What a job holds: (source, dtype on the host); None where the layout has no such tensor.
+    sources = [(input_ids, torch.int64),
+               (aux, aux.dtype if aux_scale is not None else DUMP_DTYPE),
+               None if aux_scale is None else (aux_scale, torch.float32),
+               (hidden_states, DUMP_DTYPE)]
+    ring = getattr(writer, "ring", None)
 
     def make_job(req: RequestRows) -> DumpJob:
-        rows = functools.partial(staging.rows, start=req.start, num_rows=req.num_rows)
-        return DumpJob(
-            req, rows(input_ids, dtype=torch.int64),
-            rows(aux, dtype=aux.dtype if aux_scale is not None else DUMP_DTYPE),
-            None if aux_scale is None else rows(aux_scale, dtype=torch.float32),
-            rows(hidden_states, dtype=DUMP_DTYPE), layers, staging.done())
+        n = req.num_rows
+        specs = [((n, *src.shape[1:]), dtype) for src, dtype in filter(None, sources)]
+        taken = ring.take(specs) if ring is not None else None  # None: buffers of its own
+        slot, outs = taken if taken is not None else (None, [None] * len(specs))
+        outs = iter(outs)
+        try:
+            ids_T, aux_TW, scale_TK, final_TH = (
+                None if s is None else staging.rows(s[0], req.start, n, s[1], next(outs))
+                for s in sources)
+            return DumpJob(req, ids_T, aux_TW, scale_TK, final_TH, layers, staging.done(), slot)
+        except BaseException:
+            if slot is not None:
+                slot.give_back()
+            raise
 
     queued = []
     for req in requests:

@@ -37,3 +37,14 @@ def test_quantize_captures_equals_each_capture_quantized_alone():
 
 def test_hidden_states_stores_with_this_quantizer():
     assert hs.quantize_fp8 is quantize_fp8
+
+
+def test_quantize_captures_in_place_gives_the_same_bits_in_the_first_half_of_its_input():
+    for T, block in ((300, 64), (50, 7), (1, 64)):
+        x = states(T, 3 * 16)
+        q, s = quantize_captures(x, 3, block)
+        y = x.clone()
+        q2, s2 = quantize_captures(y, 3, block, in_place=True)
+        assert q2.data_ptr() == y.data_ptr()  # written over the input: no new [T, K*H]
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+        assert torch.equal(y.view(torch.uint8).view(-1)[:x.numel()], q.view(torch.uint8).view(-1))

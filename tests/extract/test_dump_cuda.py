@@ -1,7 +1,9 @@
-"""The dump hook's CUDA path (eagle3/extract/dump_writer.py `CudaStaging`): copies into pinned
-memory on the dump's own stream, the fp8 layout quantized on the GPU. The files equal those of
-the CPU path (the CPU suite's), bit for bit, also when the states' memory is freed and
-overwritten on the current stream right after the hook returned. Needs a GPU."""
+"""The dump hook's CUDA path (eagle3/extract/dump_staging.py `CudaStaging`): copies into the
+writer's pinned staging ring on the dump's own stream, the fp8 layout quantized on the GPU. The
+files equal those of the CPU path (the CPU suite's), bit for bit, also when the states' memory
+is freed and overwritten on the current stream right after the hook returned, and when the ring
+is small enough that every slot is copied into again while earlier jobs are written. Needs a
+GPU."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def to_cuda(batch, final, aux):
     return batch, final.cuda(), aux
 
 
-def dump_all(config: DumpConfig, cuda: bool, clobber: bool = False) -> dict:
+def dump_all(config: DumpConfig, cuda: bool, clobber: bool = False,
+             stats: dict | None = None) -> dict:
     config.dump_dir.mkdir(parents=True)
     writer = sglang_dump.writer_for(config)
     for k, chunks in enumerate(prefill_schedule(TOTALS, 32, 64)):
@@ -38,9 +41,23 @@ def dump_all(config: DumpConfig, cuda: bool, clobber: bool = False) -> dict:
                 torch.full((1 << 20,), float("nan"), device="cuda").mul_(2)
     assert writer.flush(timeout_s=120)
     assert writer.snapshot()["jobs_failed"] == 0
+    if stats is not None:
+        stats.update(writer.snapshot(), pinned=writer.ring.allocate().is_pinned())
     sglang_dump.close_writer(config)
     return {rid: sglang_dump.load_dump(sglang_dump.dump_file_path(config.dump_dir, rid))
             for rid in TOTALS}
+
+
+def assert_same_dumps(cpu: dict, gpu: dict) -> None:
+    for rid in TOTALS:
+        assert cpu[rid].keys() == gpu[rid].keys()
+        for key, value in cpu[rid].items():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == gpu[rid][key].dtype, (rid, key)
+                assert torch.equal(value.view(torch.uint8), gpu[rid][key].view(torch.uint8)), (
+                    rid, key)
+            else:
+                assert value == gpu[rid][key], (rid, key)
 
 
 @pytest.mark.parametrize("layout,on_gpu", [
@@ -52,12 +69,17 @@ def test_cuda_dumps_equal_cpu_dumps_bit_for_bit_when_memory_is_reused(tmp_path, 
     cpu = dump_all(DumpConfig(tmp_path / "cpu", 0, layout=layout), cuda=False)
     gpu = dump_all(DumpConfig(tmp_path / "gpu", 0, layout=layout, fp8_on_gpu=on_gpu), cuda=True,
                    clobber=True)
-    for rid in TOTALS:
-        assert cpu[rid].keys() == gpu[rid].keys()
-        for key, value in cpu[rid].items():
-            if isinstance(value, torch.Tensor):
-                assert value.dtype == gpu[rid][key].dtype, (rid, key)
-                assert torch.equal(value.view(torch.uint8), gpu[rid][key].view(torch.uint8)), (
-                    rid, key)
-            else:
-                assert value == gpu[rid][key], (rid, key)
+    assert_same_dumps(cpu, gpu)
+
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_cuda_dumps_equal_cpu_dumps_when_the_pinned_staging_ring_is_reused(tmp_path, layout):
+    H, K = 8, len(CAPTURE)
+    limit = 200 * (8 + 2 * H + 2 * K * H)  # ~200 rows of 1,176: each slot is copied into again
+    cpu = dump_all(DumpConfig(tmp_path / "cpu", 0, layout=layout), cuda=False)
+    stats: dict = {}
+    gpu = dump_all(DumpConfig(tmp_path / "gpu", 0, layout=layout, max_pending_bytes=limit),
+                   cuda=True, clobber=True, stats=stats)
+    assert stats["pinned"] and stats["job_bytes"] > 3 * stats["ring_bytes"]
+    assert stats["ring_misses"] < stats["jobs_submitted"] // 4  # most jobs staged in the ring
+    assert_same_dumps(cpu, gpu)

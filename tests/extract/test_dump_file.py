@@ -1,10 +1,12 @@
 """Tests of eagle3/extract/dump_file.py, dump format version 3: a safetensors file any
-safetensors reader opens; `load_dump` reads only a whole file as written (truncated, padded,
+safetensors reader opens, byte for byte what `safetensors.torch.save_file` writes (its metadata
+in key order), tensors given in parts or as views of one buffer; `load_dump` reads only a whole file as written (truncated, padded,
 announcing a huge header, or of another format: DumpError; versions 1 and 2: OldDumpError);
 `peek_num_tokens` reads the header alone, never blocking."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -93,3 +95,61 @@ def test_remove_stale_temp_files_removes_only_the_temp_files_of_dead_processes(t
     assert dump_file.remove_stale_temp_files(tmp_path) == 1
     assert sorted(os.listdir(tmp_path)) == [f".eagle3-b.safetensors.{live}.tmp",
                                             ".eagle3_writer_stats.json", "eagle3-c.safetensors"]
+
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_save_dump_writes_safetensors_own_bytes_with_the_metadata_in_key_order(tmp_path, layout):
+    # save_file orders __metadata__ by its hash map (a new order each process); all else is
+    # fixed: the tensors by dtype alignment then name, compact JSON, space padding to 8.
+    import safetensors.torch
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = {"input_ids": torch.randint(0, 10**6, (5,), generator=gen),
+               "final_hidden_states": torch.randn(5, 4, generator=gen).to(torch.bfloat16)}
+    aux = torch.randn(5, 12, generator=gen)
+    if layout == "fp8":
+        tensors.update(aux_hidden_states=aux.to(torch.float8_e4m3fn),
+                       aux_hidden_states_scale=torch.rand(5, 3, generator=gen))
+    else:
+        tensors["aux_hidden_states"] = aux.to(torch.bfloat16)
+    rid = 'eagle3-ü "q" \\ \x01\x1f\x7f\u2028/x'  # what JSON escapes, and what it leaves
+    record = {"rid": rid, "num_tokens": 5, "capture_layers": [2, 30, 58], "layout": layout,
+              **tensors}
+    ours = tmp_path / "ours.safetensors"
+    dump_file.save_dump(record, ours)
+    theirs = tmp_path / "theirs.safetensors"
+    metadata = {"rid": rid, "num_tokens": "5", "capture_layers": "[2, 30, 58]",
+                "layout": layout, "format": "eagle3-sglang-dump", "version": "3"}
+    safetensors.torch.save_file(tensors, theirs, metadata=metadata)
+    raw = theirs.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (n - len(head))
+    assert ours.read_bytes() == raw[:8] + head + raw[8 + n:]
+
+
+def test_save_dump_joins_parts_and_takes_views_of_one_buffer(tmp_path):
+    buffer = torch.randn(400).to(torch.bfloat16)  # one storage for every tensor
+    ids = buffer.view(torch.int64)[:6]
+    aux_a, aux_b = buffer[100:136].view(3, 12), buffer[200:236].view(3, 12)
+    final = buffer[300:324].view(6, 4)
+    path = tmp_path / "x.safetensors"
+    dump_file.save_dump({"rid": "eagle3-a", "num_tokens": 6, "capture_layers": [2, 30, 58],
+                         "layout": "bf16", "input_ids": ids,
+                         "aux_hidden_states": [aux_a, aux_b],
+                         "final_hidden_states": [final[:2], final[2:]]}, path)
+    data = dump_file.load_dump(path)
+    assert torch.equal(data["input_ids"], ids)
+    assert torch.equal(data["aux_hidden_states"], torch.cat([aux_a, aux_b]))
+    assert torch.equal(data["final_hidden_states"], final)
+    with safetensors.safe_open(str(path), "pt") as f:  # any safetensors reader opens it
+        assert torch.equal(f.get_tensor("aux_hidden_states"), torch.cat([aux_a, aux_b]))
+
+
+def test_save_dump_refuses_parts_of_different_dtypes_or_row_shapes(tmp_path):
+    parts = [torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 5, dtype=torch.bfloat16)]
+    with pytest.raises(DumpError, match="one row shape"):
+        write(tmp_path / "x.safetensors", final_hidden_states=parts)
+    assert os.listdir(tmp_path) == []  # no temp file left

@@ -25,7 +25,7 @@ from dump_helpers import (
     start_writer_child,
 )
 
-from eagle3.extract import dump_writer, dumps, sglang_dump
+from eagle3.extract import dump_staging, dump_writer, dumps, sglang_dump
 from eagle3.extract.sglang_dump import DumpConfig
 
 # 30 prompts, up to 5 chunks of 6 rows, 14 rows a pass: chunks of one rid in consecutive passes
@@ -135,6 +135,57 @@ def test_submit_lets_a_job_larger_than_the_bound_through_alone(tmp_path):
     assert writer.flush(timeout_s=30)
     assert writer.snapshot()["max_queue_jobs"] == 1  # one at a time, none refused
     assert_dumps_equal_reference(config.dump_dir, {"eagle3-a": 9, "eagle3-b": 4})
+
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_writer_whose_staging_ring_wraps_many_times_writes_the_synchronous_files(tmp_path,
+                                                                               layout):
+    inline = DumpConfig(tmp_path / "inline", 0, layout=layout)
+    run_passes(inline, None)
+    H, K = 8, len(CAPTURE)
+    limit = 60 * (8 + 2 * H + 2 * K * H)  # ~60 rows: the ring is reused every few passes
+    config = DumpConfig(tmp_path / "ring", 0, layout=layout, max_pending_bytes=limit)
+    writer = sglang_dump.writer_for(config)
+    slow_write = slow(writer._write, 0.002)  # a lagging writer: the queue and the ring fill
+    writer._write = slow_write
+    run_passes(config, writer)
+    assert writer.flush(timeout_s=60)
+    stats, ring = writer.snapshot(), writer.ring
+    assert stats["ring_bytes"] == dump_staging.ring_capacity(limit) == ring.capacity
+    assert stats["jobs_failed"] == 0 and stats["jobs_written"] == stats["jobs_submitted"]
+    assert stats["job_bytes"] > 5 * ring.capacity  # every byte of the ring used again and again
+    assert ring.takes + stats["ring_misses"] == stats["jobs_submitted"]
+    assert ring.takes > 3 * stats["ring_misses"] and ring.in_use() == 0
+    for path in sorted(inline.dump_dir.iterdir()):  # the same files, a slot never written over
+        a, b = sglang_dump.load_dump(path), sglang_dump.load_dump(config.dump_dir / path.name)
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value.view(torch.uint8), b[key].view(torch.uint8)), (path, key)
+            else:
+                assert value == b[key], (path, key)
+
+
+def test_a_job_whose_staging_fails_gives_its_slot_back_and_the_next_pass_is_written(
+        tmp_path, monkeypatch, caplog):
+    config = DumpConfig(tmp_path / "dump", 0)
+    writer = sglang_dump.writer_for(config)
+    rows, calls = dump_staging.HostStaging.rows, [0]
+
+    def rows_failing_once(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # the first job's aux rows: its ids are in its slot already
+            raise RuntimeError("copy failed")
+        return rows(self, *args, **kwargs)
+
+    monkeypatch.setattr(dump_staging.HostStaging, "rows", rows_failing_once)
+    with caplog.at_level(logging.ERROR):
+        run_passes(config, writer, {"eagle3-a": 5, "eagle3-b": 4}, chunk=8, budget=16)
+    assert writer.flush(timeout_s=30)
+    assert "skipped rid eagle3-a: copy failed" in caplog.text
+    assert writer.ring.in_use() == 0 and writer.ring.takes == 2
+    assert [p.name for p in config.dump_dir.iterdir()] == ["eagle3-b.safetensors"]
+    assert_dumps_equal_reference(config.dump_dir, {"eagle3-b": 4})
 
 
 def test_writer_keeps_its_counters_in_the_stats_file_when_asked(tmp_path):

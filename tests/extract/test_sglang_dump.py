@@ -13,11 +13,10 @@ import os
 from types import SimpleNamespace
 
 import pytest
-import safetensors.torch
 import torch
 from dump_helpers import CAPTURE, ForwardMode, H, forward_pass, reference, reference_ids
 
-from eagle3.extract import sglang_dump
+from eagle3.extract import dump_file, sglang_dump
 from eagle3.extract.sglang_dump import DumpConfig, DumpError
 
 
@@ -124,13 +123,14 @@ def test_maybe_dump_logs_and_keeps_serving_when_disk_is_full(config, monkeypatch
         open(path, "wb").close()  # leave a temp file behind, as a real partial write would
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(dump_file, "write_safetensors", full_disk)
     batch, final, aux = forward_pass([("eagle3-a", 0, 3), ("eagle3-b", 0, 2)])
     model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=CAPTURE))
     with caplog.at_level(logging.ERROR):
         assert sglang_dump.maybe_dump(model, batch, final, aux) is None
         assert sglang_dump.writer_for(config).flush(timeout_s=30)  # the writer thread's errors
     assert sglang_dump.writer_for(config).snapshot()["jobs_failed"] == 2
+    assert sglang_dump.writer_for(config).ring.in_use() == 0  # the failed jobs' slots came back
     assert dump_names(config) == []  # no final file, no temp file
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2 and all("No space left on device" in e for e in errors)
