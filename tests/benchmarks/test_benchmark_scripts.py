@@ -42,7 +42,7 @@ def test_bench_prepare_runs_the_stage_beside_the_raw_tokenizer(tmp_path):
 
 
 def test_bench_pool_runs_both_stages_both_ways_and_checks_they_write_the_same(tmp_path):
-    out = _run(["benchmarks/bench_pool.py", "--scale", "0.02", "--time-scale", "0.1"],
+    out = _run(["benchmarks/bench_pool.py", "--scale", "0.005", "--time-scale", "0.05"],
                tmp_path)
     for stage, pooled in (("01b", "one pool"), ("01", "together")):
         for way in ("one after another", pooled):
