@@ -6,9 +6,10 @@ rounds together and a phase's batches at once, eagle3/prepare/selfwritten.py), a
 
 The server is the fake SGLang server (eagle3.testing.fake_sglang) in a process of its own with a
 simulated decode: continuous batching in which each step advances every request in flight by one
-token and lasts `step-ms + per-seq-us x in flight` (the defaults, about 6 ms alone and 16 ms at
-1,024 in flight or 64K tok/s, are SGLang decoding Qwen2.5-Coder-1.5B on one H100 as
-benchmarks/results/sglang_gpu_h100_2026-12-07 saw it); no prefill. The workload is that run's at
+token and lasts `step-ms + per-seq-us x in flight` (the defaults, 2.1 ms alone, 2.3 ms at 16
+and 16 ms at 1,024 in flight or 64K tok/s, are SGLang 0.5.17 decoding Qwen2.5-Coder-1.5B on one
+H100: its plain step at concurrency 1 and 16 measured with `--load-format dummy`, and the decode
+rate benchmarks/results/sglang_gpu_h100_2026-12-07 logged at ~1,024 in flight); no prefill. The workload is that run's at
 `--scale`, the server's per-request cost and the concurrency scaled alike (so the simulated
 times are the full run's), and all times by `--time-scale`:
 - 01b: four datasets (4,800, 1,600, 2,400 and 121 jobs, 512-token budget), reply lengths
@@ -253,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=0.25,
                    help="share of the H100 run's workload, server and concurrency (0, 1]")
     p.add_argument("--time-scale", type=float, default=0.5, help="every simulated time x this")
-    p.add_argument("--step-ms", type=float, default=6.0, help="a decode step alone, ms")
-    p.add_argument("--per-seq-us", type=float, default=10.0,
+    p.add_argument("--step-ms", type=float, default=2.1, help="a decode step alone, ms")
+    p.add_argument("--per-seq-us", type=float, default=13.6,
                    help="a step's cost per request in flight at full scale, microseconds")
     args = p.parse_args(argv)
     concurrency = max(1, round(FULL_CONCURRENCY * args.scale))
