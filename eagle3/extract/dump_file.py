@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import stat
 import sys
@@ -212,7 +213,7 @@ def write_safetensors(tensors: dict[str, list[torch.Tensor]], path: Path,
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
     for _, name, dtype, shape, _ in entries:
-        nbytes = dtype.itemsize * _numel(shape)
+        nbytes = dtype.itemsize * math.prod(shape)
         header[name] = {"dtype": _NAMES[dtype], "shape": shape,
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -224,13 +225,6 @@ def write_safetensors(tensors: dict[str, list[torch.Tensor]], path: Path,
         for *_, parts in entries:
             for part in parts:
                 _write_all(f, _bytes_of(part))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

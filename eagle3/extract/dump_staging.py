@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,7 +88,7 @@ class HostRing:
              ) -> tuple[RingSlot, list[torch.Tensor]] | None:
         """A slot holding one tensor per (shape, dtype) of `specs`, uninitialised, each at a
         multiple of SLOT_ALIGN; None (a miss) when the ring has no room for them in one piece."""
-        sizes = [_aligned(dtype.itemsize * _numel(shape)) for shape, dtype in specs]
+        sizes = [_aligned(dtype.itemsize * math.prod(shape)) for shape, dtype in specs]
         buffer = self.allocate()
         with self._lock:
             start = self._place(sum(sizes))
@@ -99,7 +100,7 @@ class HostRing:
             self.takes += 1
         views, offset = [], start
         for (shape, dtype), size in zip(specs, sizes, strict=True):
-            nbytes = dtype.itemsize * _numel(shape)
+            nbytes = dtype.itemsize * math.prod(shape)
             views.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
             offset += size
         return RingSlot(self, entry), views
@@ -137,13 +138,6 @@ class HostRing:
             if newest[0] >= oldest[0]:
                 return newest[1] - oldest[0]
             return self.capacity - oldest[0] + newest[1]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 # ---------------------------------------------------------------------------------------------
