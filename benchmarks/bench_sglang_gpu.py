@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import shutil
 import subprocess
@@ -325,8 +326,9 @@ def prefill_dumped(out: dict, name: str, s: LaunchedServer, dump_dir: Path, stat
 
 def run_02b(w: Path, target: Path, s: LaunchedServer, dump_dir: Path, name: str,
             *extra: str) -> dict:
-    """02b --backend sglang on 96 records of 2,048 tokens against `s` (`extra`: more flags):
-    its seconds, tokens/s, log tail and bytes on disk, keys prefixed `name`."""
+    """02b --backend sglang on 96 records of 2,048 tokens against `s` (`extra`: more flags),
+    its work folder (and files) under `w`: its seconds, tokens/s, log tail and bytes written,
+    keys prefixed `name`."""
     work = w / f"x{name}"
     tokens = write_merged(work, [2048] * 96, 1000)
     seconds = run([sys.executable, "02b_extract_hidden_states_sglang.py", "--workdir", str(work),
@@ -342,10 +344,27 @@ def run_02b(w: Path, target: Path, s: LaunchedServer, dump_dir: Path, name: str,
             f"{name}_bytes": int(du[0]) if du else None}
 
 
+def disk_write_rate(folder: Path, gib: int = 4) -> float:
+    """GB/s of one sequential write of `gib` GiB into `folder`, fsync'd (then removed)."""
+    block, path = os.urandom(1 << 20) * 16, folder / "disk_rate.bin"
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(path, "wb") as f:
+        for _ in range(gib * 64):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.time() - t0
+    path.unlink()
+    return gib * (1 << 30) / seconds / 1e9
+
+
 def phase_kimi(args) -> None:
     w = args.work / "kimi"
     target = kimi_target(w)
-    dump_dir = w / "dumps"
+    # the dumps where the plan puts them (/dev/shm by default); 02b's files on the local disk
+    # (w), and again in RAM (args.kimi_dumps) for its rate without the disk
+    dump_dir, ram = args.kimi_dumps / "dumps", args.kimi_dumps
     flags = [*DUMP_FLAGS, "--load-format", "dummy", "--mem-fraction-static", "0.4",
              "--context-length", "8192", "--chunked-prefill-size", "8192",
              "--cuda-graph-max-bs", "8"]
@@ -354,7 +373,8 @@ def phase_kimi(args) -> None:
     on = server(args, target, 30030, flags, "kimi_dump_on.log", dump_dir,
                 {"EAGLE3_DUMP_STATS_FILE": str(stats_file)})
     off = server(args, target, 30031, flags, "kimi_dump_off.log")
-    out: dict = {"config": KIMI, "flags": flags}
+    out: dict = {"config": KIMI, "flags": flags, "dump_dir": str(dump_dir),
+                 "disk_write_gb_s": disk_write_rate(w)}
     dumped = 0
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, w / "x02b" / "02b_hidden_states", ignore_errors=True)
@@ -367,13 +387,24 @@ def phase_kimi(args) -> None:
                 out[f"prefill_{name}_2048"] = asyncio.run(prefill(s.url, 64, 2048, 8, 1000,
                                                                   "eagle3-"))
             shutil.rmtree(dump_dir, ignore_errors=True)
-            dump_dir.mkdir(exist_ok=True)
+            dump_dir.mkdir(parents=True, exist_ok=True)
             write_json(args, "kimi", out)
-        out.update(run_02b(w, target, on, dump_dir, "02b"))
-        out["writer_dump_on_after_02b"] = writer_stats(stats_file, dumped + out["02b_tokens"],
-                                                       time.time())
-        write_json(args, "kimi", out)
+        for where, name in ((w, "02b"), (ram, "02b_ram")):
+            out.update(run_02b(where, target, on, dump_dir, name))
+            dumped += out[f"{name}_tokens"]
+            out[f"writer_dump_on_after_{name}"] = writer_stats(stats_file, dumped, time.time())
+            write_json(args, "kimi", out)
     phase_kimi_fp8(args, w, target, flags, out)
+    if not args.kimi_no_mla:
+        phase_kimi_mla(args, w, target, out)
+    for f in ("kimi_dump_on.log", "kimi_dump_on_fp8.log", "kimi_mla_draft.log"):
+        p = args.work / "logs" / f
+        if p.exists():
+            (args.out / f).write_text(p.read_text(errors="replace")[-20000:])
+
+
+def phase_kimi_mla(args, w: Path, target: Path, out: dict) -> None:
+    """An MLA draft of `target` served under EAGLE3 (`mla_draft`: served, or the error)."""
     draft = mla_draft(target, w / "mla_draft")
     spec = server(args, target, 30032, ["--load-format", "dummy", "--mem-fraction-static",
                                         "0.7", "--context-length", "8192",
@@ -388,32 +419,33 @@ def phase_kimi(args) -> None:
     except Exception as e:  # the exact error is the result
         out["mla_draft"] = {"served": False, "error": str(e)[-4000:]}
     write_json(args, "kimi", out)
-    for f in ("kimi_dump_on.log", "kimi_dump_on_fp8.log", "kimi_mla_draft.log"):
-        p = args.work / "logs" / f
-        if p.exists():
-            (args.out / f).write_text(p.read_text(errors="replace")[-20000:])
 
 
 def phase_kimi_fp8(args, w: Path, target: Path, flags: list[str], out: dict) -> None:
-    """The dump-on server again with EAGLE3_DUMP_LAYOUT=fp8 (same flags, alone on the GPU):
+    """The dump-on server again with EAGLE3_DUMP_LAYOUT=fp8 (same flags, alone on the GPU;
+    quantized where --kimi-fp8 says):
     `prefill_dump_on_fp8_2048`, `writer_dump_on_fp8`, and 02b --dtype fp8 against it
     (`02b_fp8_*`). A failure is recorded in `dump_on_fp8_error`, never raised."""
-    dump_dir, stats_file = w / "dumps_fp8", w / "writer_stats_fp8.json"
+    dump_dir, stats_file = args.kimi_dumps / "dumps_fp8", w / "writer_stats_fp8.json"
     stats_file.unlink(missing_ok=True)
     shutil.rmtree(dump_dir, ignore_errors=True)
     fp8 = server(args, target, 30033, flags, "kimi_dump_on_fp8.log", dump_dir,
                  {"EAGLE3_DUMP_STATS_FILE": str(stats_file), "EAGLE3_DUMP_LAYOUT": "fp8",
-                  "EAGLE3_DUMP_FP8_ON_GPU": "1"})
+                  "EAGLE3_DUMP_FP8_ON_GPU": "1" if args.kimi_fp8 == "gpu" else "0"})
+    out["dump_on_fp8_quantized_on"] = args.kimi_fp8
     try:
         with ExitStack() as stack:
             out["server_fp8_start_s"] = started(stack, fp8)
             dumped = prefill_dumped(out, "dump_on_fp8", fp8, dump_dir, stats_file, 0)
             shutil.rmtree(dump_dir, ignore_errors=True)
-            dump_dir.mkdir(exist_ok=True)
+            dump_dir.mkdir(parents=True, exist_ok=True)
             write_json(args, "kimi", out)
-            out.update(run_02b(w, target, fp8, dump_dir, "02b_fp8", "--dtype", "fp8"))
-            out["writer_dump_on_fp8_after_02b"] = writer_stats(
-                stats_file, dumped + out["02b_fp8_tokens"], time.time())
+            for where, name in ((w, "02b_fp8"), (args.kimi_dumps, "02b_fp8_ram")):
+                out.update(run_02b(where, target, fp8, dump_dir, name, "--dtype", "fp8"))
+                dumped += out[f"{name}_tokens"]
+                out[f"writer_dump_on_fp8_after_{name}"] = writer_stats(stats_file, dumped,
+                                                                     time.time())
+                write_json(args, "kimi", out)
     except Exception as e:  # the bf16 results stand; the error is the fp8 result
         out["dump_on_fp8_error"] = f"{type(e).__name__}: {e}"[-4000:]
     write_json(args, "kimi", out)
@@ -474,6 +506,12 @@ def main() -> int:
                    help="pipeline-serve: the draft folder to serve (session A's 04_train/final)")
     p.add_argument("--deadline-at", type=float, default=0.0,
                    help="pipeline: epoch seconds past which no step starts (0: an hour)")
+    p.add_argument("--kimi-dumps", type=Path, default=Path("/dev/shm/eagle3-kimi"),
+                   help="kimi: the dump directories' folder (the plan's /dev/shm by default)")
+    p.add_argument("--kimi-fp8", choices=("gpu", "host"), default="gpu",
+                   help="kimi: where the fp8 dump server quantizes (EAGLE3_DUMP_FP8_ON_GPU)")
+    p.add_argument("--kimi-no-mla", action="store_true",
+                   help="kimi: leave out the MLA draft's start under EAGLE3")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
