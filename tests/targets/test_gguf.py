@@ -173,3 +173,60 @@ def test_a_tokenizer_read_as_5_17_reads_it_says_what_the_gguf_says(
     assert (tok.eos_token, tok.bos_token, tok.pad_token) == ("<|im_end|>", "[BOS]", "[PAD]")
     saved = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
     assert "eos_token_id" not in saved and "model_type" not in saved
+
+
+def test_a_conversion_parses_the_gguf_once_and_writes_the_bytes_of_one_that_does_not(
+        qwen2_gguf, converted, tmp_path, monkeypatch):
+    import contextlib
+
+    import gguf
+
+    parses = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    path, target = qwen2_gguf
+    converter.convert(path, tmp_path / "shared", target)
+    assert len(parses) == 1
+    monkeypatch.setattr(converter, "one_parse", lambda *a, **k: contextlib.nullcontext())
+    converter.convert(path, tmp_path / "plain", target)
+    assert len(parses) > 2  # the converter's own read and transformers' (tokenizer, config, weights)
+    files = [json.loads((tmp_path / d / "manifest.json").read_text())["files"]
+             for d in ("shared", "plain")]
+    assert files[0] == files[1] == json.loads((converted / "manifest.json").read_text())["files"]
+
+
+def test_dequantized_ahead_are_gguf_s_own_arrays_in_any_order_and_other_calls_pass_through(
+        tmp_path):
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "q.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for i in range(7):
+        data = rng.standard_normal((4 + i, 64)).astype(np.float32)
+        writer.add_tensor(f"t{i}", gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    plain = gguf.GGUFReader(path)
+    want = [gguf.dequantize(t.data, t.tensor_type) for t in plain.tensors]
+    with converter.one_parse(path, workers=2) as reader:
+        assert gguf.GGUFReader(path) is reader
+        assert gguf.GGUFReader(path, "r") is not reader  # other arguments: a reader of its own
+        order = [0, 1, 2, 5, 3, 6, 4]  # ahead, then out of the order it dequantizes in
+        got = {i: gguf.dequantize(reader.tensors[i].data, reader.tensors[i].tensor_type)
+               for i in order}
+        again = gguf.dequantize(reader.tensors[2].data, reader.tensors[2].tensor_type)
+        other = gguf.dequantize(plain.tensors[3].data, plain.tensors[3].tensor_type)
+    for i, w in enumerate(want):
+        assert got[i].dtype == w.dtype and np.array_equal(got[i], w)
+    assert np.array_equal(again, want[2]) and np.array_equal(other, want[3])
+    assert gguf.GGUFReader(path) is not reader  # closed: gguf's own again
