@@ -45,9 +45,13 @@ def quantize_fp8(x_TH: torch.Tensor, block_rows: int = 64,
     fp8_TH, scale_T = out
     assert fp8_TH.shape == x_TH.shape and scale_T.shape == x_TH.shape[:1], (
         tuple(fp8_TH.shape), tuple(scale_T.shape), tuple(x_TH.shape))
+    # A tensor, not a Python number: CUDA divides by a scalar as a product with its float32
+    # reciprocal, one ulp off the CPU's division in half of all rows; tensor by tensor, both
+    # devices divide exactly
+    fp8_max = torch.full((1,), FP8_MAX, dtype=torch.float32, device=x_TH.device)
     for start in range(0, x_TH.shape[0], block_rows):
         x = x_TH[start:start + block_rows].float()
-        s = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+        s = (x.abs().amax(dim=-1) / fp8_max).clamp(min=1e-12)
         scale_T[start:start + block_rows] = s
         fp8_TH[start:start + block_rows] = x.div_(s[:, None]).to(torch.float8_e4m3fn)
     return fp8_TH, scale_T

@@ -120,8 +120,10 @@ ENV_LAYOUT = "EAGLE3_DUMP_LAYOUT"
 ENV_MAX_PENDING_MB = "EAGLE3_DUMP_MAX_PENDING_MB"
 ENV_STATS_FILE = "EAGLE3_DUMP_STATS_FILE"
 # "1": the fp8 layout quantizes on the GPU, before the copy (half the bytes over PCIe). Off by
-# default: on an H100 (2026-12-07) its files were not bit-equal to the host quantizer's
-# (tests/extract/test_dump_cuda.py); without it the writer thread quantizes the bf16 rows.
+# default until tests/extract/test_dump_cuda.py passes on a GPU with the quantizer's exact
+# division (on an H100, 2026-12-07, the scales were one ulp off the host's: CUDA divided by a
+# Python number as a product with its reciprocal); without it the writer thread quantizes the
+# bf16 rows.
 ENV_FP8_ON_GPU = "EAGLE3_DUMP_FP8_ON_GPU"
 DEFAULT_RID_PREFIX = "eagle3-"
 DEFAULT_MAX_PENDING_MB = 2048

@@ -60,11 +60,7 @@ def assert_same_dumps(cpu: dict, gpu: dict) -> None:
                 assert value == gpu[rid][key], (rid, key)
 
 
-@pytest.mark.parametrize("layout,on_gpu", [
-    ("bf16", False), ("fp8", False),
-    pytest.param("fp8", True, marks=pytest.mark.xfail(
-        strict=True, reason="EAGLE3_DUMP_FP8_ON_GPU=1: not bit-equal to the host quantizer on "
-                            "an H100 (2026-12-07); off by default until found"))])
+@pytest.mark.parametrize("layout,on_gpu", [("bf16", False), ("fp8", False), ("fp8", True)])
 def test_cuda_dumps_equal_cpu_dumps_bit_for_bit_when_memory_is_reused(tmp_path, layout, on_gpu):
     cpu = dump_all(DumpConfig(tmp_path / "cpu", 0, layout=layout), cuda=False)
     gpu = dump_all(DumpConfig(tmp_path / "gpu", 0, layout=layout, fp8_on_gpu=on_gpu), cuda=True,
