@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 from bench_helpers import free_port
+from vllm_helpers import UNIPROC_ARGS, UNIPROC_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, PROMPTS, MAX_NEW = 3, 4, 24
@@ -75,9 +76,10 @@ def served(draft_folder, smollm2_target_dir, vllm_python, tmp_path_factory) -> d
            "--prompt-sets", str(draft_folder / commit_draft.PROMPTS_FILE), str(SHORT),
            "--num-prompts", str(PROMPTS), "--max-new-tokens", str(MAX_NEW), "--steps",
            str(STEPS), "--concurrency", "1", "4", "--lengths", "natural", "fixed",
-           "--profile-tokens", "8", "--threads", "2", "--port", str(free_port())]
+           "--profile-tokens", "8", "--threads", "2", "--port", str(free_port()),
+           "--launch-args", f"{bench.LAUNCH_ARGS} {UNIPROC_ARGS}"]  # the script's, one process less
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2400,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**os.environ, **UNIPROC_ENV, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {"stdout": proc.stdout, "work": work, **json.loads((work / bench.RESULT).read_text())}
 

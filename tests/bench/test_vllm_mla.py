@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from vllm_helpers import MLA_BACKEND_ARGS
+from vllm_helpers import MLA_BACKEND_ARGS, SERVER_ENV, UNIPROC_ARGS
 
 VLLM_FIELDS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "topk_method": "noaux_tc",
                "scoring_func": "sigmoid"}
@@ -65,14 +65,14 @@ def _post(url: str, body: dict) -> dict:
 
 
 def _serve(python: str, target: Path, draft: Path, steps: int, port: int, log: Path):
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "OMP_NUM_THREADS": "2", "PYTHONPATH": ""}
+    env = {**os.environ, **SERVER_ENV, "PYTHONPATH": ""}
     # the draft's attention backend is its own setting (vLLM's SpeculativeConfig)
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": steps,
             "attention_backend": MLA_BACKEND_ARGS[1]}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
-           "--speculative-config", json.dumps(spec), "--max-num-seqs", "1", *MLA_BACKEND_ARGS]
+           "--speculative-config", json.dumps(spec), "--max-num-seqs", "1", *MLA_BACKEND_ARGS,
+           *UNIPROC_ARGS.split()]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 900  # 35-60 s on an idle machine
     while time.time() < deadline:
