@@ -344,6 +344,9 @@ def run_02b(w: Path, target: Path, s: LaunchedServer, dump_dir: Path, name: str,
             f"{name}_bytes": int(du[0]) if du else None}
 
 
+KIMI_02B_RAM = Path("/dev/shm/eagle3-kimi-02b")  # kimi: 02b's work folders in RAM
+
+
 def disk_write_rate(folder: Path, gib: int = 4) -> float:
     """GB/s of one sequential write of `gib` GiB into `folder`, fsync'd (then removed)."""
     block, path = os.urandom(1 << 20) * 16, folder / "disk_rate.bin"
@@ -363,8 +366,8 @@ def phase_kimi(args) -> None:
     w = args.work / "kimi"
     target = kimi_target(w)
     # the dumps where the plan puts them (/dev/shm by default); 02b's files on the local disk
-    # (w), and again in RAM (args.kimi_dumps) for its rate without the disk
-    dump_dir, ram = args.kimi_dumps / "dumps", args.kimi_dumps
+    # (w), and again in RAM for its rate without the disk
+    dump_dir = args.kimi_dumps / "dumps"
     flags = [*DUMP_FLAGS, "--load-format", "dummy", "--mem-fraction-static", "0.4",
              "--context-length", "8192", "--chunked-prefill-size", "8192",
              "--cuda-graph-max-bs", "8"]
@@ -389,7 +392,7 @@ def phase_kimi(args) -> None:
             shutil.rmtree(dump_dir, ignore_errors=True)
             dump_dir.mkdir(parents=True, exist_ok=True)
             write_json(args, "kimi", out)
-        for where, name in ((w, "02b"), (ram, "02b_ram")):
+        for where, name in ((w, "02b"), (KIMI_02B_RAM, "02b_ram")):
             out.update(run_02b(where, target, on, dump_dir, name))
             dumped += out[f"{name}_tokens"]
             out[f"writer_dump_on_after_{name}"] = writer_stats(stats_file, dumped, time.time())
@@ -440,7 +443,7 @@ def phase_kimi_fp8(args, w: Path, target: Path, flags: list[str], out: dict) -> 
             shutil.rmtree(dump_dir, ignore_errors=True)
             dump_dir.mkdir(parents=True, exist_ok=True)
             write_json(args, "kimi", out)
-            for where, name in ((w, "02b_fp8"), (args.kimi_dumps, "02b_fp8_ram")):
+            for where, name in ((w, "02b_fp8"), (KIMI_02B_RAM, "02b_fp8_ram")):
                 out.update(run_02b(where, target, fp8, dump_dir, name, "--dtype", "fp8"))
                 dumped += out[f"{name}_tokens"]
                 out[f"writer_dump_on_fp8_after_{name}"] = writer_stats(stats_file, dumped,

@@ -234,7 +234,7 @@ start)  # the GGUF (and draft): join, check, convert; stop the site phases; star
         pkill -f "[b]ench_sglang_gpu.py"; pkill -f "[s]glang.launch_server"; sleep 5
         pkill -9 -f "[s]glang.launch_server"; pkill -9 -f "[s]glang::"; sleep 2
     fi
-    rm -rf $G/work/kimi/x02b* $G/work/kimi/dumps* /dev/shm/eagle3-kimi  # the kimi phase's states: disk for 02b's
+    rm -rf $G/work/kimi/x02b* $G/work/kimi/dumps* /dev/shm/eagle3-kimi*  # the kimi phase's states
     drive "${@:-pipeline}"
     sleep "${WAIT_S:-30}"; tail -5 $G/run_start.log; collect
     ;;

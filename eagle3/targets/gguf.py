@@ -144,13 +144,14 @@ def one_parse(gguf: Path, workers: int = 8):
     tensors = list(reader.tensors)
     index = {id(t.data): i for i, t in enumerate(tensors)}
     ahead: dict[int, object] = {}  # tensor index -> its future, until asked for
-    submitted = [0]  # tensors submitted so far, in order
+    submitted = 0  # tensors submitted so far, in order
     pool = ThreadPoolExecutor(workers, thread_name_prefix="dequantize")
 
     def submit_until(stop: int) -> None:
-        for i in range(submitted[0], min(stop, len(tensors))):
+        nonlocal submitted
+        for i in range(submitted, min(stop, len(tensors))):
             ahead[i] = pool.submit(dequantize, tensors[i].data, tensors[i].tensor_type)
-        submitted[0] = max(submitted[0], min(stop, len(tensors)))
+            submitted = i + 1
 
     def shared_reader(path, *args, **kwargs):
         if not args and not kwargs and Path(path).resolve() == key:

@@ -65,10 +65,11 @@ class _Divisions(torch.overrides.TorchFunctionMode):
 
 
 def test_the_scale_is_an_exact_division_on_every_device():
-    """CUDA computes `tensor / number` as a product with the number's float32 reciprocal (one
-    ulp off the CPU's division for about half of all rows, measured: the H100's fp8 dumps were
-    not bit-equal to the host's); the quantizer divides tensor by tensor, which both devices
-    round exactly: the float64 quotient rounded to float32."""
+    """CUDA computes `tensor / number` as a product with the number's float32 reciprocal
+    (PyTorch's div_true_kernel_cuda; the product, emulated here on CPU, is one ulp off the
+    division in about half of all rows: the likely reason the H100's fp8 dumps were not
+    bit-equal to the host's); the quantizer divides tensor by tensor, which both devices round
+    exactly: the float64 quotient rounded to float32."""
     x = torch.randn(512, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     with _Divisions() as mode:
         _, scale = quantize_fp8(x)
